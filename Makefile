@@ -1,0 +1,28 @@
+# flashdraft: prompts -> features -> drafter -> measured speedup.
+# Hydra overrides pass through ARGS, e.g.  make train ARGS="train.lr=3e-4 train.epochs=2"
+MODEL ?= smollm2-135m
+PY ?= .venv/bin/python
+ARGS ?=
+
+.PHONY: setup features train eval quick test bench clean
+
+.venv/.installed: pyproject.toml scripts/setup.sh
+	bash scripts/setup.sh
+	@touch $@
+
+setup: .venv/.installed
+
+features: setup
+	$(PY) -m pipeline model=$(MODEL) $(ARGS)
+
+train: setup
+	$(PY) -m trainer model=$(MODEL) $(ARGS)
+
+eval: setup
+	$(PY) -m harness model=$(MODEL) $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q $(ARGS)
+
+clean:
+	rm -rf runs outputs multirun

@@ -1,0 +1,274 @@
+"""The DFlash draft model: a block-diffusion drafter conditioned on target hidden states.
+
+Semantics follow the published reference (`dflash` on PyPI, `dflash/model.py`) exactly:
+
+* the features of n target layers are concatenated (n*H), projected by `fc` (no bias) and
+  normalised by `hidden_norm`; that one fused tensor conditions every draft layer;
+* each draft layer is a Qwen3 decoder layer (q_norm/k_norm, RMSNorm, SwiGLU MLP) whose keys and
+  values are `cat([proj(context), proj(block)])` along the sequence, context first, with the
+  layer's own k/v projections; k_norm on all keys; RoPE with absolute positions;
+* attention is not causal; queries come from the block only;
+* output position k of a block `[anchor, MASK x (B-1)]` predicts the token at anchor+k.
+
+The model has no embedding and no output head: it borrows the target's, frozen.
+Checkpoints are Hugging Face folders (`config.json` + `model.safetensors`) with the same
+config keys and tensor names as the published drafters, so `dflash.DFlashDraftModel` loads them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    rotate_half,
+)
+
+try:  # FlexAttention: block-sparse kernels on GPU (and a compiled forward on CPU).
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+except ImportError:  # pragma: no cover - torch without FlexAttention
+    BlockMask, flex_attention = None, None
+
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_DRAFT_LAYERS = 5
+DEFAULT_TARGET_FEATURES = 5
+
+
+def build_target_layer_ids(num_target_layers: int, num_features: int = DEFAULT_TARGET_FEATURES) -> list[int]:
+    """Reference layer ids: round(1 + i*(L-4)/(n-1)); n = 1 gives [L//2]."""
+    if num_features < 1:
+        raise ValueError(f"num_features must be >= 1, got {num_features}")
+    if num_features == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_features - 1)) for i in range(num_features)]
+
+
+def extract_context_feature(hidden_states, layer_ids) -> torch.Tensor:
+    """The output of decoder layer i is `hidden_states[i + 1]` (index 0 is the embeddings)."""
+    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+def default_gamma(block_size: int) -> float:
+    """Loss decay of the paper: 7 for B=16, 5 for B=10, 4 for B=8 (linear in between)."""
+    table = {16: 7.0, 10: 5.0, 8: 4.0}
+    if block_size in table:
+        return table[block_size]
+    return max(1.0, 7.0 - (16 - block_size) / 3.0) if block_size > 8 else max(1.0, block_size / 2.0)
+
+
+def make_draft_config(
+    target_config,
+    *,
+    mask_token_id: int,
+    num_draft_layers: int = DEFAULT_DRAFT_LAYERS,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    target_layer_ids: list[int] | None = None,
+    num_target_features: int = DEFAULT_TARGET_FEATURES,
+    intermediate_size: int | None = None,
+) -> Qwen3Config:
+    """A drafter config shaped like the target (hidden size, heads, rope) in the published format."""
+    tc = getattr(target_config, "text_config", None) or target_config
+    num_target_layers = tc.num_hidden_layers
+    if target_layer_ids is None:
+        target_layer_ids = build_target_layer_ids(num_target_layers, num_target_features)
+    target_layer_ids = [int(i) for i in target_layer_ids]
+    bad = [i for i in target_layer_ids if not 0 <= i < num_target_layers]
+    if bad:
+        raise ValueError(f"target_layer_ids {bad} outside the target's {num_target_layers} layers")
+    if not 1 <= block_size <= 64:
+        raise ValueError(f"block_size must be in 1..64, got {block_size}")
+    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    rope = dict(getattr(tc, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(tc, "rope_theta", 10000.0)})
+    return Qwen3Config(
+        architectures=["DFlashDraftModel"],
+        vocab_size=tc.vocab_size,
+        hidden_size=tc.hidden_size,
+        intermediate_size=intermediate_size or tc.intermediate_size,
+        num_hidden_layers=num_draft_layers,
+        num_attention_heads=tc.num_attention_heads,
+        num_key_value_heads=getattr(tc, "num_key_value_heads", tc.num_attention_heads),
+        head_dim=head_dim,
+        hidden_act="silu",
+        max_position_embeddings=tc.max_position_embeddings,
+        rms_norm_eps=tc.rms_norm_eps,
+        rope_parameters=rope,
+        attention_bias=False,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        layer_types=["full_attention"] * num_draft_layers,
+        bos_token_id=getattr(tc, "bos_token_id", None),
+        eos_token_id=getattr(tc, "eos_token_id", None),
+        block_size=block_size,
+        num_target_layers=num_target_layers,
+        dflash_config={"mask_token_id": int(mask_token_id), "target_layer_ids": target_layer_ids},
+    )
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+class DraftCache:
+    """Per-layer K/V of the verified context (after k_norm and RoPE). Block K/V never enter it."""
+
+    def __init__(self, num_layers: int):
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys[0] is None else self.keys[0].shape[-2]
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys[layer] is not None:
+            k = torch.cat([self.keys[layer], k], dim=-2)
+            v = torch.cat([self.values[layer], v], dim=-2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        h = config.hidden_size
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=config.attention_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=config.attention_bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def _kv(self, x: torch.Tensor, cos, sin):
+        b, n, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return _apply_rope(k, cos, sin), v
+
+    def forward(self, x, ctx, cos, sin, attention_mask=None, cache: DraftCache | None = None, layer_idx: int = 0):
+        b, q_len, _ = x.shape
+        c_len = ctx.shape[1]
+        q = self.q_norm(self.q_proj(x).view(b, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
+        q = _apply_rope(q, cos[:, c_len:], sin[:, c_len:])
+        k_ctx, v_ctx = self._kv(ctx, cos[:, :c_len], sin[:, :c_len])
+        k_blk, v_blk = self._kv(x, cos[:, c_len:], sin[:, c_len:])
+        if cache is not None:
+            k_ctx, v_ctx = cache.extend(layer_idx, k_ctx, v_ctx)
+        k = torch.cat([k_ctx, k_blk], dim=2)
+        v = torch.cat([v_ctx, v_blk], dim=2)
+        if BlockMask is not None and isinstance(attention_mask, BlockMask):
+            out = flex_attention(q, k, v, block_mask=attention_mask, scale=self.scaling, enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attention_mask, scale=self.scaling, enable_gqa=self.num_heads != self.num_kv_heads
+            )
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.self_attn = DraftAttention(config)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, x, ctx, cos, sin, attention_mask=None, cache=None, layer_idx=0):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, attention_mask, cache, layer_idx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """Draft model. `forward` returns normalised hidden states of the block positions."""
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        dcfg = getattr(config, "dflash_config", None) or {}
+        if "mask_token_id" not in dcfg:
+            raise ValueError("drafter config needs dflash_config.mask_token_id")
+        self.config = config
+        self.block_size = int(getattr(config, "block_size", DEFAULT_BLOCK_SIZE))
+        self.mask_token_id = int(dcfg["mask_token_id"])
+        self.target_layer_ids = list(
+            dcfg.get("target_layer_ids") or build_target_layer_ids(config.num_target_layers, config.num_hidden_layers)
+        )
+        self.layers = nn.ModuleList([DraftLayer(config) for _ in range(config.num_hidden_layers)])
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float | None = None) -> None:
+        std = std if std is not None else getattr(self.config, "initializer_range", 0.02)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, Qwen3RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def new_cache(self) -> DraftCache:
+        return DraftCache(len(self.layers))
+
+    def forward(
+        self,
+        noise_embedding: torch.Tensor,
+        target_hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask=None,
+        cache: DraftCache | None = None,
+    ) -> torch.Tensor:
+        """noise_embedding [b, q, H]: embedded block tokens; target_hidden [b, c, n*H]: new
+        context features; position_ids [b, c + q]: absolute positions, context then block.
+        attention_mask: None (all visible), a bool mask [b|1, 1, q, cache+c+q], or a BlockMask.
+        With a cache, the new context K/V are appended to it; the block's are not."""
+        ctx = self.hidden_norm(self.fc(target_hidden))
+        cos, sin = self.rotary_emb(noise_embedding, position_ids)
+        x = noise_embedding
+        for i, layer in enumerate(self.layers):
+            x = layer(x, ctx, cos, sin, attention_mask, cache, i)
+        return self.norm(x)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def save_pretrained(self, path: str | Path, dtype: torch.dtype | None = None) -> Path:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in self.state_dict().items()}
+        config = self.config.to_dict()
+        config["dtype"] = str(dtype or next(self.parameters()).dtype).removeprefix("torch.")
+        tmp = path / "model.safetensors.tmp"
+        save_file(state, str(tmp), metadata={"format": "pt"})
+        tmp.replace(path / "model.safetensors")
+        (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        return path
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> DFlashDrafter:
+        path = Path(path)
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise FileNotFoundError(f"no drafter at {path}: {cfg_file} is missing")
+        config = Qwen3Config.from_dict(json.loads(cfg_file.read_text()))
+        model = cls(config)
+        state = load_file(str(path / "model.safetensors"))
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"{path}: drafter weights do not match its config: missing {missing}, unexpected {unexpected}")
+        return model.to(device=device, dtype=dtype).eval()

