@@ -1,0 +1,195 @@
+"""Speculative decoding with a DFlash drafter, batch size 1, KV caches on both models.
+
+The loop mirrors the reference `dflash.model.dflash_generate`: the target prefills the prompt and
+emits the first token; each round the drafter proposes the block [last token, MASK x (B-1)]
+conditioned on the target features of every verified token (its cache holds the context K/V,
+block K/V are dropped); the target verifies the block in one forward pass; the accepted drafts
+plus one target token are committed and the target cache is cropped to the committed tokens whose
+K/V it has computed (the newest token's K/V come with the next block). Greedy acceptance keeps the
+plain greedy output token for token; sampling uses speculative rejection sampling, which keeps the
+target's distribution. Block size 1 is plain decoding: no drafter call, one token per forward.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from flashdraft.model import extract_context_feature
+from harness.sampling import check_sampling, greedy_accept, rejection_sample, sample, sampling_probs
+
+
+class DrafterProposer:
+    """Drafts a block with a DFlashDrafter and the target's frozen embedding and output head.
+
+    Proposers are called as `proposer(block [1, B], context [1, c, n*H] | None, start) -> draft
+    logits [B-1, V]`, where `context` holds the target features of the tokens verified since the
+    last call and `start` is the absolute position of block[0]. `start()` resets per-sequence state.
+    """
+
+    def __init__(self, drafter, head):
+        self.drafter, self.head = drafter, head
+        self.block_size = drafter.block_size
+        self.mask_token_id = drafter.mask_token_id
+        self.layer_ids = drafter.target_layer_ids  # features the loop must capture (None: none)
+        self.cache = None
+
+    def start(self) -> None:
+        self.cache = self.drafter.new_cache()
+
+    def __call__(self, block: torch.Tensor, context: torch.Tensor, start: int) -> torch.Tensor:
+        c = context.shape[1]
+        if self.cache.length + c != start:
+            raise RuntimeError(f"drafter cache holds {self.cache.length} + {c} new context tokens, block starts at {start}")
+        positions = torch.arange(start - c, start + block.shape[1], device=block.device)[None]
+        hidden = self.drafter(self.head.embed_tokens(block), context, positions, cache=self.cache)
+        return self.head.lm_head(hidden[0, 1:])
+
+
+@dataclass
+class Generation:
+    tokens: list[int]  # generated tokens, prompt excluded, EOS included when it stopped generation
+    num_prompt_tokens: int
+    block_size: int
+    acceptance_lengths: list[int] = field(default_factory=list)  # committed tokens per round (max B)
+    prefill_s: float = 0.0  # prompt forward + first token
+    draft_s: list[float] = field(default_factory=list)  # per round
+    verify_s: list[float] = field(default_factory=list)
+    bookkeeping_s: list[float] = field(default_factory=list)
+    stopped: bool = False  # ended on a stop token
+
+    @property
+    def decode_s(self) -> float:
+        """Wall time after the prefill (the first token is emitted by the prefill)."""
+        return sum(self.draft_s) + sum(self.verify_s) + sum(self.bookkeeping_s)
+
+    @property
+    def decode_tokens(self) -> int:
+        return sum(self.acceptance_lengths)
+
+    @property
+    def tau(self) -> float | None:
+        return self.decode_tokens / len(self.acceptance_lengths) if self.acceptance_lengths else None
+
+
+def _clock(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _crop(cache: DynamicCache, length: int) -> None:
+    cache.crop(length - cache.get_seq_length())  # transformers 5.x: crop takes minus the count to drop
+
+
+@torch.inference_mode()
+def speculative_generate(
+    target,
+    input_ids,
+    *,
+    max_new_tokens: int,
+    proposer=None,
+    stop_token_ids=(),
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    block_size: int | None = None,
+    generator: torch.Generator | None = None,
+) -> Generation:
+    """Generate up to `max_new_tokens` after `input_ids` (list or [1, n] tensor).
+
+    `proposer` is a DrafterProposer (or any callable of the same shape); without one, or with
+    block_size 1, this is plain decoding with a KV cache. Returns a Generation with the tokens,
+    per-round acceptance lengths and per-round draft / verify / bookkeeping wall time."""
+    check_sampling(temperature, top_p, top_k)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    block_size = block_size or (proposer.block_size if proposer is not None else 1)
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if block_size > 1 and proposer is None:
+        raise ValueError(f"block_size {block_size} needs a proposer (a drafter); block_size 1 is plain decoding")
+    device = target.device
+    ids = torch.as_tensor(input_ids, dtype=torch.long, device=device).view(1, -1)
+    n = ids.shape[1]
+    if n == 0:
+        raise ValueError("empty prompt")
+    max_length = n + max_new_tokens
+    layer_ids = getattr(proposer, "layer_ids", None) if block_size > 1 else None
+    stop = torch.as_tensor(list(stop_token_ids), dtype=torch.long, device=device)
+
+    def choose(logits: torch.Tensor) -> torch.Tensor:
+        if temperature > 0:
+            return sample(sampling_probs(logits, temperature, top_p, top_k), generator)
+        return logits.argmax(dim=-1)
+
+    # The tail beyond the committed tokens stays MASK: the next block is [last token, MASK...].
+    fill = proposer.mask_token_id if proposer is not None else 0
+    output = torch.full((1, max_length + 1), fill, dtype=torch.long, device=device)
+    output[:, :n] = ids
+    positions = torch.arange(max_length + 1, device=device)[None]
+    cache = DynamicCache(config=target.config)
+    cache.activate_past_recording()
+    result = Generation([], n, block_size)
+
+    t0 = _clock(device)
+    out = target(
+        ids, position_ids=positions[:, :n], past_key_values=cache, use_cache=True,
+        logits_to_keep=1, output_hidden_states=layer_ids is not None,
+    )
+    output[0, n] = choose(out.logits[0, -1])
+    context = extract_context_feature(out.hidden_states, layer_ids) if layer_ids is not None else None
+    result.prefill_s = _clock(device) - t0
+
+    if proposer is not None and block_size > 1:
+        proposer.start()
+    start = n  # position of the newest committed token, whose K/V the target has not computed yet
+    stopped = bool(torch.isin(output[0, n], stop))
+    while start + 1 < max_length and not stopped:
+        t0 = _clock(device)
+        size = min(block_size, max_length - start)  # the last block shrinks to end at max_new_tokens
+        block = output[:, start : start + size].clone()
+        if size > 1:
+            draft_logits = proposer(block, context, start)
+            if temperature > 0:
+                draft_probs = sampling_probs(draft_logits, temperature, top_p, top_k)
+                block[0, 1:] = sample(draft_probs, generator)
+            else:
+                block[0, 1:] = draft_logits.argmax(dim=-1)
+        t1 = _clock(device)
+        out = target(
+            block, position_ids=positions[:, start : start + size], past_key_values=cache, use_cache=True,
+            output_hidden_states=layer_ids is not None,
+        )
+        t2 = _clock(device)
+        logits = out.logits[0]
+        if temperature > 0:
+            target_probs = sampling_probs(logits, temperature, top_p, top_k)
+            if size > 1:
+                accepted, token = rejection_sample(block[0, 1:], target_probs, draft_probs, generator)
+            else:
+                accepted, token = 0, sample(target_probs[-1], generator)
+        else:
+            accepted, token = greedy_accept(block[0, 1:], logits)
+        output[0, start + 1 : start + accepted + 1] = block[0, 1 : accepted + 1]
+        output[0, start + accepted + 1] = token
+        produced = min(accepted + 1, max_length - start - 1)
+        hits = torch.isin(output[0, start + 1 : start + produced + 1], stop).nonzero()
+        if hits.numel():
+            produced, stopped = int(hits[0, 0]) + 1, True
+        if layer_ids is not None:  # features of the block's verified positions: last token + accepted drafts
+            context = extract_context_feature(out.hidden_states, layer_ids)[:, :produced]
+        start += produced
+        _crop(cache, start)
+        result.acceptance_lengths.append(produced)
+        t3 = _clock(device)
+        result.draft_s.append(t1 - t0)
+        result.verify_s.append(t2 - t1)
+        result.bookkeeping_s.append(t3 - t2)
+
+    result.tokens = output[0, n : min(start + 1, max_length)].tolist()
+    result.stopped = stopped
+    return result

@@ -1,0 +1,113 @@
+"""The draft model: reference layer ids, hidden-state offset, and parity with the published `dflash`."""
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config
+
+from flashdraft.model import DFlashDrafter, build_target_layer_ids, extract_context_feature, make_draft_config
+from flashdraft.target import capture_features
+
+dflash_model = pytest.importorskip("dflash.model")
+
+
+@pytest.mark.parametrize(
+    "layers,n,expected",
+    [(36, 5, [1, 9, 17, 25, 33]), (32, 5, [1, 8, 15, 22, 29]), (30, 5, [1, 8, 14, 20, 27]), (28, 1, [14]), (48, 3, [1, 23, 45])],
+)
+def test_layer_ids_formula(layers, n, expected):
+    assert build_target_layer_ids(layers, n) == expected
+    assert dflash_model.build_target_layer_ids(layers, n) == expected
+
+
+def test_hidden_state_offset_is_layer_output():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(cfg).eval()
+    outputs = {}
+    hooks = [layer.register_forward_hook(lambda m, a, o, i=i: outputs.__setitem__(i, o[0] if isinstance(o, tuple) else o)) for i, layer in enumerate(model.model.layers)]
+    ids = torch.randint(0, 50, (2, 7))
+    feats = capture_features(model, ids, [0, 2, 3])
+    for h in hooks:
+        h.remove()
+    expected = torch.cat([outputs[0], outputs[2], outputs[3]], dim=-1)
+    torch.testing.assert_close(feats, expected, rtol=0, atol=0)
+
+
+def _randomize(model):
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.05)
+
+
+TARGETS = {
+    "llama-gqa": LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    "qwen3-mha": Qwen3Config(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=12, num_attention_heads=4, num_key_value_heads=4, head_dim=32),
+}
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("block_size", [16, 8])
+def test_parity_with_reference(tmp_path, target, block_size):
+    torch.manual_seed(1)
+    cfg = make_draft_config(TARGETS[target], mask_token_id=96, num_draft_layers=3, block_size=block_size)
+    ours = DFlashDrafter(cfg)
+    _randomize(ours)
+    ours.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["block_size"] == block_size and saved["num_target_layers"] == TARGETS[target].num_hidden_layers
+    assert saved["dflash_config"] == {"mask_token_id": 96, "target_layer_ids": cfg.dflash_config["target_layer_ids"]}
+    ref = dflash_model.DFlashDraftModel.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    assert ref.target_layer_ids == ours.target_layer_ids and ref.block_size == block_size and ref.mask_token_id == 96
+
+    head = torch.nn.Linear(64, 97, bias=False)
+    ctx_len = 23
+    ctx = torch.randn(2, ctx_len, len(ours.target_layer_ids) * 64)
+    noise = torch.randn(2, block_size, 64)
+    pos = torch.arange(ctx_len + block_size)[None].expand(2, -1) + 5
+    with torch.no_grad():
+        a = head(ours(noise, ctx, pos))
+        b = ref.compute_logits(ref(position_ids=pos, noise_embedding=noise, target_hidden=ctx), head)
+    assert (a - b).abs().max().item() < 1e-5
+
+
+def test_cache_path_equals_full_context():
+    torch.manual_seed(2)
+    ours = DFlashDrafter(make_draft_config(TARGETS["llama-gqa"], mask_token_id=96, num_draft_layers=2, block_size=8)).eval()
+    _randomize(ours)
+    n_feat = len(ours.target_layer_ids) * 64
+    ctx = torch.randn(1, 30, n_feat)
+    noise = torch.randn(1, 8, 64)
+    pos_full = torch.arange(38)[None]
+    with torch.no_grad():
+        full = ours(noise, ctx, pos_full)
+        cache = ours.new_cache()
+        ours(torch.randn(1, 8, 64), ctx[:, :20], torch.cat([torch.arange(20), torch.arange(20, 28)])[None], cache=cache)
+        assert cache.length == 20  # the block's K/V did not enter the cache
+        inc = ours(noise, ctx[:, 20:], torch.arange(20, 38)[None], cache=cache)
+    assert cache.length == 30
+    torch.testing.assert_close(inc, full, rtol=1e-5, atol=1e-5)
+
+
+def test_save_load_roundtrip(tmp_path):
+    ours = DFlashDrafter(make_draft_config(TARGETS["qwen3-mha"], mask_token_id=5))
+    ours.save_pretrained(tmp_path)
+    back = DFlashDrafter.from_pretrained(tmp_path)
+    for (k, v), (k2, v2) in zip(ours.state_dict().items(), back.state_dict().items(), strict=True):
+        assert k == k2 and torch.equal(v, v2)
+    assert back.block_size == 16 and len(back.layers) == 5 and back.target_layer_ids == [1, 3, 5, 7, 9]
+
+
+def test_bad_layer_ids_named():
+    with pytest.raises(ValueError, match=r"\[40\]"):
+        make_draft_config(TARGETS["qwen3-mha"], mask_token_id=1, target_layer_ids=[1, 40])
+
+
+def test_extract_context_feature_order():
+    hs = [torch.full((1, 2, 3), float(i)) for i in range(6)]
+    out = extract_context_feature(hs, [3, 0])
+    assert out[0, 0].tolist() == [4.0] * 3 + [1.0] * 3

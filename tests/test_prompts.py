@@ -1,0 +1,80 @@
+"""Prompt sources: package-shipped sets, local files with bad input, stable ids and split."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from flashdraft.prompts import PromptSourceUnavailable, check_messages, load_prompts, split_of
+
+
+def test_package_shipped_sets():
+    he = load_prompts("humaneval")
+    mt = load_prompts("mtbench")
+    assert len(he) == 164 and len(mt) == 80
+    assert all(len(r.followups) == 1 for r in mt)
+    assert he[0].record_id == "HumanEval/0" and "```python" in he[0].messages[0]["content"]
+    again = load_prompts("humaneval")
+    assert [r.seq_id for r in he] == [r.seq_id for r in again]
+    assert len({r.seq_id for r in he + mt}) == 244
+
+
+def test_split_is_stable_and_disjoint():
+    records = load_prompts("humaneval") + load_prompts("mtbench")
+    held = load_prompts("humaneval", split="heldout") + load_prompts("mtbench", split="heldout")
+    train = load_prompts("humaneval", split="train") + load_prompts("mtbench", split="train")
+    assert len(held) + len(train) == len(records)
+    assert not {r.seq_id for r in held} & {r.seq_id for r in train}
+    assert 0.1 < len(held) / len(records) < 0.3
+    assert all(split_of(r.seq_id) == r.split for r in records)
+    assert len(load_prompts("humaneval", split="heldout", limit=3)) == 3
+
+
+def test_jsonl_bad_input_goes_to_rejects(tmp_path):
+    path = tmp_path / "chats.jsonl"
+    lines = [
+        json.dumps({"prompt": "Write a haiku."}).encode(),
+        json.dumps({"id": "c2", "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]}).encode(),
+        b"{not json",
+        json.dumps({"prompt": "   "}).encode(),
+        json.dumps({"messages": [{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}]}).encode(),
+        b'{"prompt": "caf\xe9"}',
+        json.dumps({"text": "no usable field"}).encode(),
+        json.dumps([1, 2]).encode(),
+    ]
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    rejects = []
+    records = load_prompts(str(path), rejects=rejects)
+    assert [r.record_id for r in records] == ["line 1", "c2"]
+    assert len(records[1].messages) == 3
+    reasons = [r.reason for r in rejects]
+    assert any("malformed JSON" in r for r in reasons)
+    assert any("empty" in r for r in reasons)
+    assert any("roles out of order" in r for r in reasons)
+    assert any("not UTF-8" in r for r in reasons)
+    assert any("no 'messages' or 'prompt'" in r for r in reasons)
+    assert any("not a JSON object" in r for r in reasons)
+    assert len(rejects) == 6
+
+
+def test_parquet_source(tmp_path):
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"prompt": ["one", "two"], "response": ["1", "2"]}), path)
+    records = load_prompts(str(path))
+    assert len(records) == 2 and records[0].has_response and records[0].messages[1]["content"] == "1"
+
+
+def test_check_messages():
+    assert check_messages([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]) is None
+    assert "no user" in check_messages([{"role": "system", "content": "s"}])
+    assert "system message at position" in check_messages([{"role": "user", "content": "u"}, {"role": "system", "content": "s"}])
+
+
+def test_unknown_and_unreachable_sources(tmp_path):
+    with pytest.raises(ValueError, match="unknown prompt source 'nope'"):
+        load_prompts("nope")
+    with pytest.raises(PromptSourceUnavailable, match="gsm8k"):
+        load_prompts("gsm8k")
+    with pytest.raises(PromptSourceUnavailable, match="does not exist"):
+        load_prompts(str(tmp_path / "missing.jsonl"))

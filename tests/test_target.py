@@ -1,0 +1,94 @@
+"""The target adapter: embedded default, chat template, frozen head, mask token."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from flashdraft.target import (
+    EMBEDDED_NAME,
+    chat_input_ids,
+    choose_mask_token,
+    frozen_head_from_model,
+    load_frozen_head,
+    load_target,
+    load_tokenizer,
+    stop_token_ids,
+)
+
+
+@pytest.fixture(scope="module")
+def smol_tokenizer():
+    return load_tokenizer(EMBEDDED_NAME)
+
+
+def test_embedded_default_loads_as_plain_llama():
+    model, tok = load_target(EMBEDDED_NAME)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert model.config.num_hidden_layers == 30 and model.config.hidden_size == 576
+    assert model.dtype == torch.float32 and not getattr(model.config, "quantization_config", None)
+    assert stop_token_ids(model, tok) == [tok.convert_tokens_to_ids("<|im_end|>")]
+    assert not any(p.requires_grad for p in model.parameters())
+
+
+def test_chat_template_system_prompt_and_generation_prompt(smol_tokenizer):
+    msgs = [{"role": "user", "content": "Hi there"}]
+    default = smol_tokenizer.decode(chat_input_ids(smol_tokenizer, msgs))
+    assert "You are a helpful AI assistant named SmolLM" in default
+    assert default.endswith("<|im_start|>assistant\n")
+    custom = smol_tokenizer.decode(chat_input_ids(smol_tokenizer, msgs, system_prompt="Be brief."))
+    assert "<|im_start|>system\nBe brief.<|im_end|>" in custom and "SmolLM" not in custom
+    with pytest.raises(ValueError, match="empty"):
+        chat_input_ids(smol_tokenizer, [])
+
+
+def test_enable_thinking_reaches_templates_that_know_it(smol_tokenizer):
+    tok = smol_tokenizer
+    saved = tok.chat_template
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
+        "<think>\n\n</think>\n\n{% endif %}{% endif %}"
+    )
+    try:
+        msgs = [{"role": "user", "content": "x"}]
+        off = tok.decode(chat_input_ids(tok, msgs, enable_thinking=False))
+        on = tok.decode(chat_input_ids(tok, msgs, enable_thinking=True))
+        assert off.endswith("<think>\n\n</think>\n\n") and not on.endswith("</think>\n\n")
+    finally:
+        tok.chat_template = saved
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("sharded", [False, True])
+def test_frozen_head_reads_only_embed_and_head(tmp_path, tied, sharded):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(tmp_path, max_shard_size="60KB" if sharded else "5GB")
+    assert (tmp_path / "model.safetensors.index.json").exists() == sharded
+    head = load_frozen_head(str(tmp_path))
+    torch.testing.assert_close(head.embed.weight, model.get_input_embeddings().weight)
+    torch.testing.assert_close(head.lm_head.weight, model.lm_head.weight)
+    assert not head.embed.weight.requires_grad and not head.lm_head.weight.requires_grad
+    shared = frozen_head_from_model(model)
+    assert shared.embed.weight is model.get_input_embeddings().weight
+
+
+def test_mask_token_choice(smol_tokenizer):
+    class Cfg:
+        dflash_config = {"mask_token_id": 7}
+
+    assert choose_mask_token(smol_tokenizer, 49152, Cfg()) == 7
+    # SmolLM2: no mask token and no spare embedding row -> an unused reserved special token
+    mask = choose_mask_token(smol_tokenizer, 49152)
+    assert smol_tokenizer.convert_ids_to_tokens(mask) == "<empty_output>"
+    # a padded embedding (like Qwen3's 151936 rows for 151669 tokens): <|MASK|> lands on the first spare row
+    n = len(smol_tokenizer)
+    tok = load_tokenizer(EMBEDDED_NAME)
+    assert choose_mask_token(tok, n + 64) == n
+    assert tok.convert_ids_to_tokens(n) == "<|MASK|>"
+
+
+def test_unreachable_hub_target_fails_fast():
+    with pytest.raises(OSError, match="neither a local folder nor reachable"):
+        load_target("Qwen/Qwen3-8B")

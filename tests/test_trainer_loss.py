@@ -1,0 +1,64 @@
+"""Loss weights, the chunked cross entropy (value and gradient) and the acceptance metric."""
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from trainer.loss import block_labels, block_loss, position_weights, summarize
+
+
+def test_position_weights_follow_the_paper():
+    w = position_weights(16, 7.0)
+    assert w[0] == 0 and w[1] == 1.0
+    np.testing.assert_allclose(w[1:], np.exp(-np.arange(15) / 7.0), rtol=1e-6)
+
+
+def test_labels_zero_weight_past_end_and_outside_response():
+    ids = np.arange(100, 120)
+    mask = np.ones(20, bool)
+    mask[:5] = False
+    mask[12] = False
+    labels, w = block_labels(ids, mask, np.array([3, 9, 16]), 4, 2.0)
+    assert labels.shape == (3, 4)
+    np.testing.assert_array_equal(labels[0], [0, 0, 105, 106])  # 103, 104 are prompt
+    assert w[0, 0] == 0 and w[0, 1] == 0 and w[0, 2] == np.float32(math.exp(-0.5))
+    np.testing.assert_array_equal(labels[1], [109, 110, 111, 0])  # 112 is not a response token
+    assert w[1, 0] == 0 and w[1, 3] == 0 and w[1, 1] == 1.0
+    np.testing.assert_array_equal(w[2] > 0, [False, True, True, True])  # 16..19 inside
+
+
+def test_chunked_loss_equals_plain_weighted_cross_entropy():
+    torch.manual_seed(0)
+    b, n, bs, h, v = 2, 3, 4, 8, 50
+    hidden = torch.randn(b, n * bs, h, requires_grad=True)
+    head = torch.randn(v, h)
+    labels = torch.randint(0, v, (b, n * bs))
+    weights = torch.rand(b, n * bs) * (torch.rand(b, n * bs) > 0.3)
+    loss, stats = block_loss(hidden, head, labels, weights, bs, chunk=5)
+    loss.backward()
+    ref_h = hidden.detach().clone().requires_grad_(True)
+    ce = F.cross_entropy((ref_h @ head.T).view(-1, v), labels.view(-1), reduction="none")
+    ref = (ce * weights.view(-1)).sum() / weights.sum()
+    ref.backward()
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(hidden.grad, ref_h.grad)
+    assert stats["weight"] == weights.sum()
+
+
+def test_acceptance_counts_leading_correct_positions():
+    # vocabulary of 4, head = identity: the prediction is argmax of the hidden state itself
+    bs = 4
+    head = torch.eye(4)
+    labels = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 0, 0, 0, 0]])
+    weights = torch.tensor([[0, 1, 1, 1, 0, 1, 1, 1, 0, 0, 0, 0]], dtype=torch.float)  # block 2 is padding
+    preds = torch.tensor([[0, 1, 2, 0, 0, 1, 0, 3, 0, 0, 0, 0]])  # block 0: 2 right then wrong; block 1: 1 right
+    hidden = F.one_hot(preds, 4).float() * 5
+    _, stats = block_loss(hidden, head, labels, weights, bs)
+    assert stats["blocks"] == 2
+    assert stats["accept"] == (1 + 2) + (1 + 1)
+    m = summarize(stats, 1.0, 1)
+    assert m["tau"] == 2.5
+    assert m["acc_1"] == 1.0 and m["acc_2"] == 0.5 and m["acc_3"] == 0.5
+    assert m["acc"] == 4 / 6

@@ -1,0 +1,78 @@
+"""One training micro-batch: sequences padded into rows, with their anchored blocks.
+
+Row r holds one sequence: its context features padded to the longest context of the batch, then
+its blocks padded to the largest anchor count of the batch (padded blocks: anchor 0, weight 0).
+Padding, not packing several sequences into one row: the dense CPU mask costs rows x Q x KV, so
+packed rows would pay quadratically for attention between sequences that never see each other,
+and the loader sorts sequences by length so the padding stays small.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+
+from trainer.loss import block_labels
+
+
+@dataclass
+class Batch:
+    context: torch.Tensor  # [b, S, n*H] target features
+    block_ids: torch.Tensor  # [b, N*B] anchor token then mask tokens
+    position_ids: torch.Tensor  # [b, S + N*B] context 0..S-1, block j a_j..a_j+B-1
+    anchors: torch.Tensor  # [b, N] (0 on padded blocks)
+    labels: torch.Tensor  # [b, N*B]
+    weights: torch.Tensor  # [b, N*B]
+    tokens: int  # real context tokens
+    seq_ids: list
+
+    @property
+    def context_len(self) -> int:
+        return self.context.shape[1]
+
+    def to(self, device, dtype=None) -> Batch:
+        moved = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                v = v.to(device, non_blocking=True)
+                if dtype is not None and v.is_floating_point() and f.name == "context":
+                    v = v.to(dtype)
+            moved[f.name] = v
+        return Batch(**moved)
+
+    def pin_memory(self) -> Batch:
+        return Batch(**{f.name: (v.pin_memory() if isinstance(v := getattr(self, f.name), torch.Tensor) else v) for f in fields(self)})
+
+
+def collate(samples, block_size: int, mask_token_id: int, gamma: float) -> Batch:
+    """samples: (StoredSequence, anchors np.int64 [N]) pairs, every N >= 1."""
+    b = len(samples)
+    s_max = max(len(seq.input_ids) for seq, _ in samples)
+    n_max = max(len(a) for _, a in samples)
+    width = samples[0][0].features.shape[1]
+    context = torch.zeros(b, s_max, width, dtype=samples[0][0].features.dtype)
+    anchors = np.zeros((b, n_max), dtype=np.int64)
+    labels = np.zeros((b, n_max, block_size), dtype=np.int64)
+    weights = np.zeros((b, n_max, block_size), dtype=np.float32)
+    block_ids = np.full((b, n_max, block_size), mask_token_id, dtype=np.int64)
+    for r, (seq, a) in enumerate(samples):
+        s, n = len(seq.input_ids), len(a)
+        context[r, :s] = seq.features
+        anchors[r, :n] = a
+        labels[r, :n], weights[r, :n] = block_labels(seq.input_ids, seq.loss_mask, a, block_size, gamma)
+        block_ids[r, :n, 0] = seq.input_ids[a]
+    block_pos = anchors[:, :, None] + np.arange(block_size)[None, None, :]
+    position_ids = np.concatenate([np.broadcast_to(np.arange(s_max), (b, s_max)), block_pos.reshape(b, -1)], axis=1)
+    return Batch(
+        context=context,
+        block_ids=torch.from_numpy(block_ids.reshape(b, -1)),
+        position_ids=torch.from_numpy(np.ascontiguousarray(position_ids)),
+        anchors=torch.from_numpy(anchors),
+        labels=torch.from_numpy(labels.reshape(b, -1)),
+        weights=torch.from_numpy(weights.reshape(b, -1)),
+        tokens=sum(len(seq.input_ids) for seq, _ in samples),
+        seq_ids=[seq.seq_id for seq, _ in samples],
+    )

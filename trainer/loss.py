@@ -1,0 +1,108 @@
+"""The decayed block loss and its metrics.
+
+Block j anchored at a_j has labels input_ids[a_j + k], k = 0..B-1. Output k = 0 is the anchor
+itself and carries no loss; k >= 1 is weighted exp(-(k-1)/gamma), and zero where the label is not
+a response token or lies past the end of the sequence. loss = sum(w * CE) / sum(w).
+
+The logits (rows x vocabulary) are the big tensor here, so the cross entropy runs in chunks of
+rows and only over rows with weight > 0, and its gradient with respect to the hidden states is
+formed chunk by chunk in the forward pass: peak memory is one chunk of logits, not all of them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+
+def position_weights(block_size: int, gamma: float) -> np.ndarray:
+    """[B] weights: 0 at k = 0, exp(-(k-1)/gamma) for k >= 1."""
+    k = np.arange(block_size, dtype=np.float64)
+    w = np.exp(-(k - 1) / gamma)
+    w[0] = 0.0
+    return w.astype(np.float32)
+
+
+def block_labels(input_ids: np.ndarray, loss_mask: np.ndarray, anchors: np.ndarray, block_size: int, gamma: float):
+    """Labels [N, B] (0 where invalid) and weights [N, B] for one sequence's anchors [N]."""
+    pos = anchors[:, None] + np.arange(block_size)[None, :]
+    inside = pos < len(input_ids)
+    clipped = np.minimum(pos, len(input_ids) - 1)
+    valid = inside & np.asarray(loss_mask, dtype=bool)[clipped]
+    labels = np.where(valid, np.asarray(input_ids)[clipped], 0).astype(np.int64)
+    weights = np.where(valid, position_weights(block_size, gamma)[None, :], 0.0).astype(np.float32)
+    return labels, weights
+
+
+class _ChunkedLinearCE(torch.autograd.Function):
+    """sum_i w_i * CE(hidden_i @ head.T, label_i), gradient for `hidden` only (the head is frozen)."""
+
+    @staticmethod
+    def forward(ctx, hidden, head, labels, w, chunk):
+        need_grad = ctx.needs_input_grad[0]
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        preds = torch.empty(len(hidden), dtype=torch.long, device=hidden.device)
+        grad = torch.empty_like(hidden) if need_grad else None
+        for i in range(0, len(hidden), chunk):
+            h, y, wi = hidden[i : i + chunk], labels[i : i + chunk], w[i : i + chunk]
+            logits = (h @ head.T).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, y[:, None])[:, 0]
+            loss += ((lse - picked) * wi).sum()
+            preds[i : i + chunk] = logits.argmax(dim=-1)
+            if need_grad:
+                p = torch.exp(logits.sub_(lse[:, None]))
+                p[torch.arange(len(y), device=p.device), y] -= 1.0
+                p.mul_(wi[:, None])
+                grad[i : i + chunk] = (p.to(head.dtype) @ head).to(hidden.dtype)
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(preds)
+        return loss, preds
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_preds):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_loss.to(grad.dtype), None, None, None, None
+
+
+def block_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, block_size: int, chunk: int = 1024):
+    """hidden [b, N*B, H], labels/weights [b, N*B] -> (loss, stats).
+
+    stats (detached sums, so ranks and steps can be summed before dividing): `weight` sum(w),
+    `pos_correct`/`pos_total` [B] per-position hits and valid labels (k >= 1), `accept` sum over
+    blocks of 1 + the number of leading positions k = 1.. predicted right, `blocks` block count.
+    """
+    rows = weights.reshape(-1) > 0
+    h = hidden.reshape(-1, hidden.shape[-1])[rows]
+    y = labels.reshape(-1)[rows]
+    total_w = weights.sum()
+    w = weights.reshape(-1)[rows].float() / total_w.clamp_min(1e-12)
+    loss, preds = _ChunkedLinearCE.apply(h, head_weight, y, w, chunk)
+
+    correct = torch.zeros(weights.numel(), dtype=torch.bool, device=hidden.device)
+    correct[rows] = preds == y
+    correct = correct.view(-1, block_size)  # [blocks, B]
+    valid = rows.view(-1, block_size)
+    real = valid.any(dim=1)  # padded blocks (and blocks with no valid label) are not counted
+    leading = (correct[:, 1:] & valid[:, 1:]).int().cumprod(dim=1).sum(dim=1)
+    stats = {
+        "weight": total_w.detach().float(),
+        "pos_correct": correct.sum(0).float(),
+        "pos_total": valid.sum(0).float(),
+        "accept": ((1 + leading) * real).sum().float(),
+        "blocks": real.sum().float(),
+    }
+    return loss, stats
+
+
+def summarize(stats: dict, loss_sum: float, count: int) -> dict:
+    """Turn summed stats into logged metrics: loss, acc (k >= 1), acc_k, tau."""
+    pos_c, pos_t = stats["pos_correct"].tolist(), stats["pos_total"].tolist()
+    out = {"loss": loss_sum / max(count, 1)}
+    out["acc"] = sum(pos_c[1:]) / max(sum(pos_t[1:]), 1.0)
+    for k in range(1, len(pos_c)):
+        out[f"acc_{k}"] = pos_c[k] / pos_t[k] if pos_t[k] else math.nan
+    out["tau"] = float(stats["accept"]) / max(float(stats["blocks"]), 1.0)
+    return out
