@@ -4,7 +4,7 @@ MODEL ?= smollm2-135m
 PY ?= .venv/bin/python
 ARGS ?=
 
-.PHONY: setup features train eval quick test bench clean
+.PHONY: setup features train eval demo test clean
 
 .venv/.installed: pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
@@ -26,3 +26,7 @@ test: setup
 
 clean:
 	rm -rf runs outputs multirun
+
+# The README's first command: set up, then the main job on the embedded default.
+demo: setup
+	$(PY) -m harness model=$(MODEL) eval.allow_untrained=true $(ARGS)
