@@ -243,6 +243,7 @@ class ShardWriter:
         self.written = 0
         self.seq_ids: list[str] = []
         self._seen: set[str] = set()
+        self.rejects: list[dict] = []  # inputs this shard was given and refused, kept with the shard
         self.offsets = [0]
         self.response_tokens = 0
         self.closed = False
@@ -252,6 +253,7 @@ class ShardWriter:
         return self.group.create_array(
             name, shape=shape, dtype=dtype, chunks=chunks, shards=shards,
             compressors=self.layout.compressors(typesize), fill_value=0,
+            config={"write_empty_chunks": True},  # verify can then tell a missing file from zeros
         )  # fmt: skip
 
     def append(self, seq_id: str, input_ids, loss_mask, features) -> None:
@@ -289,6 +291,10 @@ class ShardWriter:
         if self.buffered >= self.layout.shard_tokens:
             self._flush(final=False)
 
+    def reject(self, seq_id: str, reason: str, **fields) -> None:
+        """Record that `seq_id` belonged to this shard's work but was refused (it counts as done)."""
+        self.rejects.append({"seq_id": str(seq_id), "reason": reason, **fields})
+
     def _flush(self, final: bool) -> None:
         """Write whole `shard_tokens` blocks (and, when final, the remainder) so no file is rewritten."""
         step = self.layout.shard_tokens
@@ -318,6 +324,7 @@ class ShardWriter:
                 "sequences": len(self.seq_ids),
                 "tokens": self.written,
                 "response_tokens": self.response_tokens,
+                "rejects": self.rejects,
                 "layer_ids": list(self.layout.layer_ids),
                 "dtype": self.layout.dtype,
                 "complete": True,
@@ -334,6 +341,7 @@ class ShardWriter:
             "sequences": len(self.seq_ids),
             "tokens": self.offsets[-1],
             "response_tokens": self.response_tokens,
+            "rejects": self.rejects,
             "bytes": dir_bytes(self.final if self.final.exists() else self.tmp),
             "committed": now(),
         }
@@ -399,7 +407,7 @@ class StoreWriter:
         with self._lock():
             if (self.path / MANIFEST).exists():
                 self.manifest = read_manifest(self.path)
-                bad = [k for k in _IDENTITY_KEYS if k in fresh and _norm(self.manifest.get(k)) != _norm(fresh[k])]
+                bad = [k for k in _IDENTITY_KEYS if _identity(self.manifest.get(k), k) != _identity(fresh[k], k)]
                 if bad:
                     detail = "; ".join(f"{k}: store has {self.manifest.get(k)!r}, writer has {fresh[k]!r}" for k in bad)
                     raise StoreError(f"{self.path} holds a different capture ({detail}); use a new store directory")
@@ -474,6 +482,7 @@ class StoreWriter:
                 "sequences": attrs["sequences"],
                 "tokens": attrs["tokens"],
                 "response_tokens": attrs.get("response_tokens", 0),
+                "rejects": attrs.get("rejects", []),
                 "bytes": dir_bytes(self.path / SHARDS / name),
                 "committed": now(),
             }
@@ -496,8 +505,11 @@ def _complete(shard_dir: Path) -> bool:
         return False
 
 
-def _norm(v):
-    return json.loads(json.dumps(v))  # tuples vs lists, int keys vs str keys
+def _identity(v, key: str):
+    v = json.loads(json.dumps(v))  # tuples vs lists, int keys vs str keys
+    if key == "target" and isinstance(v, dict):  # the same target may live at another path elsewhere
+        v = {k: x for k, x in v.items() if k not in ("path", "source")}
+    return v
 
 
 def write_store(path, sequences, *, layer_ids, hidden_size, dtype="bfloat16", manifest_extra=None, shard_name="shard-00000", **layout) -> StoreReader:
@@ -691,9 +703,9 @@ def verify_store(path: str | Path, *, progress: bool = True) -> tuple[list[str],
                 elif key.endswith("_scale") and not (np.isfinite(block).all() and (block > 0).all()):
                     problems.append(f"shard {name}: {key} holds non-positive or non-finite scales")
     c = manifest.get("counts", {})
-    if c.get("sequences") != total_seq or c.get("tokens") != total_tok:
-        problems.append(
-            f"manifest counts {c.get('sequences')} sequences / {c.get('tokens')} tokens, shards hold {total_seq} / {total_tok}"
-        )
+    listed = (sum(e["sequences"] for e in shards), sum(e["tokens"] for e in shards))
+    for what, n in (("shards hold", (total_seq, total_tok)), ("shard entries sum to", listed)):
+        if (c.get("sequences"), c.get("tokens")) != n:
+            problems.append(f"manifest counts {c.get('sequences')} sequences / {c.get('tokens')} tokens, {what} {n[0]} / {n[1]}")
     stats = {"shards": len(shards), "sequences": total_seq, "tokens": total_tok, "bytes": dir_bytes(path / SHARDS)}
     return problems, stats

@@ -1,0 +1,133 @@
+"""`python -m pipeline [overrides]`: capture target features into the store at `features_dir`.
+
+    python -m pipeline model=smollm2-135m data.limit=8          # capture (resumes if rerun)
+    python -m pipeline estimate data=nemotron model=qwen3-8b     # bytes on disk before capture
+    python -m pipeline verify runs/smollm2-135m/features        # check a store; exit 1 on a problem
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+for _k, _v in (("RAY_AUTH_MODE", "disabled"), ("HF_HUB_ETAG_TIMEOUT", "10"), ("HF_HUB_DOWNLOAD_TIMEOUT", "10")):
+    os.environ.setdefault(_k, _v)
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+from flashdraft.prompts import PromptSourceUnavailable  # noqa: E402
+from flashdraft.store import StoreError, verify_store  # noqa: E402
+from pipeline.capture import Sampling  # noqa: E402
+from pipeline.fleet import FleetConfig, run_fleet  # noqa: E402
+from pipeline.job import estimate, load_records, open_store, target_config  # noqa: E402
+from pipeline.worker import CaptureSettings  # noqa: E402
+
+
+def settings_from(cfg: DictConfig, offline_ok: bool = False) -> CaptureSettings:
+    """Capture settings; with `offline_ok` (estimates) the layer ids come from the model yaml if the
+    target's config cannot be read."""
+    from flashdraft.model import build_target_layer_ids
+    from flashdraft.target import target_layer_ids
+
+    m, d = cfg.model, cfg.data
+    try:
+        layers = target_layer_ids(target_config(m.target, cfg.trust_remote_code), m.num_target_features, m.layer_ids)
+    except OSError:
+        if not offline_ok:
+            raise
+        layers = list(m.layer_ids or build_target_layer_ids(m.num_layers, m.num_target_features))
+    return CaptureSettings(
+        target=str(m.target), layer_ids=tuple(layers), dtype=str(m.dtype), device=str(cfg.device), mode=str(d.mode),
+        max_new_tokens=int(d.max_new_tokens), max_length=int(d.max_length), max_prompt_tokens=int(d.max_prompt_tokens),
+        batch_size=int(d.batch_size), sampling=Sampling(**OmegaConf.to_container(d.sampling)), seed=int(cfg.seed),
+        system_prompt=m.chat.system_prompt, enable_thinking=m.chat.enable_thinking,
+        trust_remote_code=bool(cfg.trust_remote_code), torch_threads=int(max(1, cfg.cluster.cpus_per_actor)),
+    )  # fmt: skip
+
+
+def fleet_from(cfg: DictConfig) -> FleetConfig:
+    c = cfg.cluster
+    return FleetConfig(
+        num_actors=int(c.num_actors), cpus_per_actor=float(c.cpus_per_actor), gpus_per_actor=float(c.gpus_per_actor),
+        ray_address=c.ray_address, shard_size=int(cfg.data.shard_size), max_attempts=int(c.get("max_attempts", 3)),
+        object_store_mb=int(c.get("object_store_mb", 256)),
+    )  # fmt: skip
+
+
+def records_from(cfg: DictConfig):
+    d = cfg.data
+    return load_records(list(d.sources), split=d.split, limit=d.limit, heldout_fraction=float(d.heldout_fraction))
+
+
+def capture_command(cfg: DictConfig) -> int:
+    settings = settings_from(cfg)
+    records, rejects = records_from(cfg)
+    print(f"{len(records)} prompts ({cfg.data.split} split) from {list(cfg.data.sources)}, {len(rejects)} rejected on load")
+    writer = open_store(cfg.features_dir, settings, sources=list(cfg.data.sources), store_options=dict(cfg.data.store))
+    summary = run_fleet(cfg.features_dir, records, settings, writer, fleet_from(cfg), load_rejects=rejects)
+    print("\n".join(summary.lines()))
+    return 1 if summary.failed else 0
+
+
+def estimate_command(cfg: DictConfig) -> int:
+    settings = settings_from(cfg, offline_ok=True)
+    records, _ = records_from(cfg)
+    hidden = int(cfg.model.hidden_size)
+    e = estimate(records, settings, hidden_size=hidden, dtype=cfg.data.store.dtype, store_path=cfg.features_dir,
+                 expected_response_tokens=cfg.data.expected_response_tokens)  # fmt: skip
+    gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+    print(
+        f"{e['prompts']} prompts x ({e['mean_prompt_tokens']} prompt + {e['expected_response_tokens']} response) tokens "
+        f"= {e['tokens']} tokens\n"
+        f"x {len(settings.layer_ids)} layers x {hidden} hidden x {cfg.data.store.dtype} = {e['bytes_per_token']} bytes/token\n"
+        f"estimated store size {gib(e['bytes'])} (uncompressed upper bound) vs free disk {gib(e['free_bytes'])} "
+        f"at {cfg.features_dir}: {'fits' if e['fits'] else 'DOES NOT FIT'}"
+    )
+    return 0 if e["fits"] else 1
+
+
+def verify_command(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m pipeline verify STORE_DIR", file=sys.stderr)
+        return 2
+    problems, stats = verify_store(argv[0])
+    if problems:
+        print(f"{argv[0]}: {len(problems)} problem(s)", file=sys.stderr)
+        for p in problems[:50]:
+            print("  " + p, file=sys.stderr)
+        return 1
+    print(
+        f"{argv[0]}: OK - {stats['shards']} shards, {stats['sequences']} sequences, {stats['tokens']} tokens, "
+        f"{stats['bytes'] / 2**20:.1f} MiB ({stats['bytes'] / max(1, stats['tokens']):.0f} bytes/token)"
+    )
+    return 0
+
+
+def _hydra(command):
+    @hydra.main(config_path="../conf", config_name="config", version_base=None)
+    def entry(cfg: DictConfig) -> None:
+        try:
+            code = command(cfg)
+        except (PromptSourceUnavailable, StoreError, FileNotFoundError, ValueError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            code = 1
+        if code:
+            sys.exit(code)
+
+    return entry
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    if argv and argv[0] == "verify":
+        sys.exit(verify_command(argv[1:]))
+    command = capture_command
+    if argv and argv[0] in ("estimate", "capture"):
+        command = estimate_command if argv[0] == "estimate" else capture_command
+        sys.argv = [sys.argv[0], *argv[1:]]
+    _hydra(command)()
+
+
+if __name__ == "__main__":
+    main()

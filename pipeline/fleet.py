@@ -1,0 +1,248 @@
+"""The capture fleet: cut prompts into shard tasks, run them on workers, commit, resume, summarise.
+
+Workers are Ray actors (one target each; `ray.init()` local unless an address is given) or, with
+`num_actors=0`, one in-process worker. A task whose worker dies is retried on another one; a task
+that fails `max_attempts` times is reported, never looped on. Rerunning the same command skips
+every prompt already in a committed shard (captured or rejected): nothing lost, nothing twice.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from tqdm import tqdm
+
+from flashdraft.prompts import PromptRecord
+from flashdraft.store import REJECTS, SHARDS, StoreWriter, dir_bytes, read_manifest
+from pipeline.capture import TargetNaNError
+from pipeline.worker import CaptureSettings, CaptureWorker, Task
+
+
+@dataclass
+class FleetConfig:
+    num_actors: int = 1  # 0: run in this process, no Ray
+    cpus_per_actor: float = 1
+    gpus_per_actor: float = 0
+    ray_address: str | None = None
+    shard_size: int = 64  # prompts per task / shard
+    max_attempts: int = 3
+    object_store_mb: int = 256
+
+
+@dataclass
+class Summary:
+    store: str
+    sequences: int = 0  # in the store, all runs
+    tokens: int = 0
+    response_tokens: int = 0
+    bytes: int = 0
+    new_sequences: int = 0  # this run
+    new_tokens: int = 0
+    shards_done: int = 0
+    shards_skipped: int = 0  # prompts already committed by earlier runs
+    failed: list = field(default_factory=list)  # {"shard", "attempts", "error"}
+    rejects: dict = field(default_factory=dict)  # reason -> count, all runs
+    wall_s: float = 0.0
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.bytes / max(1, self.tokens)
+
+    def lines(self) -> list[str]:
+        out = [
+            f"store {self.store}",
+            f"  sequences {self.sequences} ({self.new_sequences} new), tokens {self.tokens} ({self.new_tokens} new), "
+            f"response tokens {self.response_tokens}",
+            f"  bytes on disk {self.bytes / 2**20:.1f} MiB, {self.bytes_per_token:.0f} bytes/token",
+            f"  shards committed this run {self.shards_done}; wall {self.wall_s:.1f} s, "
+            f"{self.new_tokens / max(self.wall_s, 1e-9):.0f} tokens/s",
+            f"  rejects {sum(self.rejects.values())}" + "".join(f"\n    {n:6d}  {r}" for r, n in sorted(self.rejects.items(), key=lambda x: -x[1])),
+        ]
+        for f in self.failed:
+            out.append(f"  FAILED shard {f['shard']} after {f['attempts']} attempt(s): {f['error']}")
+        return out
+
+
+def reject_reason_class(reason: str) -> str:
+    """Group reasons that differ only in details (line numbers, lengths) for the summary."""
+    return reason.split(":")[0].split(" (")[0].strip()
+
+
+def plan_tasks(records: list[PromptRecord], done: set[str], shard_size: int, first_index: int) -> tuple[list[Task], list[dict]]:
+    """Tasks for records not yet done; duplicate seq ids among the records are rejected."""
+    pending, dupes, seen = [], [], set()
+    for r in records:
+        if r.seq_id in seen:
+            dupes.append({"seq_id": r.seq_id, "source": r.source, "record_id": r.record_id, "reason": "duplicate record"})
+            continue
+        seen.add(r.seq_id)
+        if r.seq_id not in done:
+            pending.append(r)
+    tasks = [
+        Task(f"shard-{first_index + k:05d}", tuple(pending[i : i + shard_size]))
+        for k, i in enumerate(range(0, len(pending), shard_size))
+    ]
+    return tasks, dupes
+
+
+def _shard_index(name: str) -> int:
+    try:
+        return int(name.rsplit("-", 1)[1])
+    except (IndexError, ValueError):
+        return -1
+
+
+def run_fleet(
+    store_path: str | Path,
+    records: list[PromptRecord],
+    settings: CaptureSettings,
+    writer: StoreWriter,
+    fleet: FleetConfig,
+    *,
+    load_rejects: list[dict] = (),
+    on_result=None,
+    progress: bool = True,
+) -> Summary:
+    """Capture `records` into the store `writer` manages. `writer` is opened by the caller
+    (it checks that an existing store holds the same capture)."""
+    t0 = time.time()
+    store_path = Path(store_path)
+    for name in writer.unlisted_shards():  # a crash between rename and manifest update
+        writer.adopt(name)
+    writer.remove_temp()
+    manifest = read_manifest(store_path)
+    done = {s for e in manifest["shards"] for s in _shard_seq_ids(store_path, e)}
+    first = 1 + max([_shard_index(e["name"]) for e in manifest["shards"]] + [-1])
+    tasks, dupes = plan_tasks(records, done, fleet.shard_size, first)
+    summary = Summary(str(store_path), shards_skipped=len(manifest["shards"]))
+    bar = tqdm(total=sum(len(t.records) for t in tasks), unit="seq", desc="capture", disable=not progress, smoothing=0.1)
+
+    def committed(result: dict) -> None:
+        info = result["info"]
+        writer.register(info)
+        summary.shards_done += 1
+        summary.new_sequences += info["sequences"]
+        summary.new_tokens += info["tokens"]
+        bar.update(info["sequences"] + len(info.get("rejects", [])))
+        bar.set_postfix(shards=f"{summary.shards_done}/{len(tasks)}", tok_s=f"{summary.new_tokens / (time.time() - t0):.0f}")
+        if on_result is not None:
+            on_result(result)
+
+    def failed(task: Task, error: BaseException, retry: bool) -> Task | None:
+        if (store_path / SHARDS / task.name).is_dir():  # it did commit before its worker died
+            writer.adopt(task.name)
+            info = next(e for e in read_manifest(store_path)["shards"] if e["name"] == task.name)
+            committed({"info": info, "pid": None, "seconds": 0.0})
+            return None
+        attempts = task.attempt + 1
+        if retry and attempts < fleet.max_attempts:
+            return replace(task, attempt=attempts)
+        summary.failed.append({"shard": task.name, "attempts": attempts, "error": f"{type(error).__name__}: {error}"[:2000]})
+        return None
+
+    try:
+        if tasks and fleet.num_actors == 0:
+            _run_inline(store_path, settings, tasks, committed, failed)
+        elif tasks:
+            _run_ray(store_path, settings, tasks, fleet, committed, failed)
+    finally:
+        bar.close()
+        summary.wall_s = time.time() - t0
+        _finish(store_path, writer, summary, load_rejects, dupes)
+    return summary
+
+
+def _shard_seq_ids(store_path: Path, entry: dict) -> list[str]:
+    attrs = json.loads((store_path / SHARDS / entry["name"] / "zarr.json").read_text())["attributes"]
+    return list(attrs["seq_ids"]) + [r["seq_id"] for r in attrs.get("rejects", [])]
+
+
+def _run_inline(store_path, settings, tasks, committed, failed) -> None:
+    worker = CaptureWorker(str(store_path), settings)
+    queue = deque(tasks)
+    while queue:
+        task = queue.popleft()
+        try:
+            result = worker.run(task)
+        except Exception as e:  # noqa: BLE001 - reported per shard; the fleet goes on
+            again = failed(task, e, retry=not isinstance(e, TargetNaNError))
+            if again is not None:
+                queue.append(again)
+            continue
+        committed(result)
+
+
+def _run_ray(store_path, settings, tasks, fleet: FleetConfig, committed, failed) -> None:
+    import ray
+    from ray.exceptions import RayActorError, RayTaskError
+
+    started = False
+    if not ray.is_initialized():
+        kwargs = dict(include_dashboard=False, log_to_driver=True, logging_level="warning")
+        if fleet.ray_address:
+            ray.init(address=fleet.ray_address, **kwargs)
+        else:
+            cpus = max(1, int(fleet.num_actors * max(fleet.cpus_per_actor, 1)))
+            ray.init(num_cpus=cpus, object_store_memory=fleet.object_store_mb << 20, **kwargs)
+        started = True
+    Actor = ray.remote(num_cpus=fleet.cpus_per_actor, num_gpus=fleet.gpus_per_actor, max_restarts=0)(CaptureWorker)
+    make = lambda: Actor.remote(str(store_path), settings)  # noqa: E731
+    actors = [make() for _ in range(fleet.num_actors)]
+    queue, inflight = deque(tasks), {}
+
+    def submit(slot: int) -> None:
+        if queue:
+            task = queue.popleft()
+            inflight[actors[slot].run.remote(task)] = (task, slot, actors[slot])
+
+    try:
+        for _ in range(2):  # two tasks queued per actor: no idle gap between tasks
+            for slot in range(len(actors)):
+                submit(slot)
+        while inflight:
+            [ref], _ = ray.wait(list(inflight), num_returns=1)
+            task, slot, actor = inflight.pop(ref)
+            try:
+                result = ray.get(ref)
+            except RayActorError as e:  # the worker process died (killed, OOM, node lost)
+                if actors[slot] is actor:
+                    actors[slot] = make()
+                again = failed(task, e, retry=True)
+            except RayTaskError as e:
+                cause = e.cause if getattr(e, "cause", None) is not None else e
+                again = failed(task, cause, retry=not isinstance(cause, TargetNaNError))
+            else:
+                committed(result)
+                again = None
+            if again is not None:
+                queue.append(again)
+            for s in range(len(actors)):  # top every actor up to two queued tasks
+                if sum(1 for _, sl, _ in inflight.values() if sl == s) < 2:
+                    submit(s)
+    finally:
+        for a in actors:
+            ray.kill(a)
+        if started:
+            ray.shutdown()
+
+
+def _finish(store_path: Path, writer: StoreWriter, summary: Summary, load_rejects, dupes) -> None:
+    """Rewrite rejects.jsonl (prompt-file rejects + every committed shard's) and fill the summary."""
+    manifest = read_manifest(store_path)
+    rejects = [*load_rejects, *dupes, *(r for e in manifest["shards"] for r in e.get("rejects", []))]
+    tmp = store_path / (REJECTS + ".tmp")
+    with open(tmp, "w") as f:
+        for r in rejects:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    tmp.replace(store_path / REJECTS)
+    c = manifest["counts"]
+    summary.sequences, summary.tokens, summary.response_tokens = c["sequences"], c["tokens"], c.get("response_tokens", 0)
+    summary.bytes = dir_bytes(store_path / SHARDS)
+    summary.rejects = dict(Counter(reject_reason_class(r["reason"]) for r in rejects))
+    writer.update(last_run={"finished": time.strftime("%Y-%m-%dT%H:%M:%S"), "wall_s": round(summary.wall_s, 2),
+                            "failed_shards": summary.failed, "rejects": summary.rejects})  # fmt: skip
+

@@ -1,0 +1,92 @@
+"""A capture job from plain settings: load prompts, open the store with its provenance, estimate size."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from flashdraft.prompts import load_prompts
+from flashdraft.store import StoreWriter, bytes_per_token
+from flashdraft.target import (
+    chat_template_hash,
+    choose_mask_token,
+    load_tokenizer,
+    resolve_target,
+    target_fingerprint,
+)
+from pipeline.worker import CaptureSettings
+
+
+def load_records(sources, *, split: str | None = "train", limit: int | None = None, heldout_fraction: float = 0.2):
+    """Records of every source (`limit` per source) and the rejects found while reading them."""
+    records, rejects = [], []
+    for source in sources:
+        found = []
+        records += load_prompts(str(source), split=split, limit=limit, heldout_fraction=heldout_fraction, rejects=found)
+        rejects += [{"seq_id": None, "source": r.source, "record_id": r.record_id, "reason": r.reason, "raw": r.raw} for r in found]
+    return records, rejects
+
+
+def target_config(target: str, trust_remote_code: bool = False):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(resolve_target(target), trust_remote_code=trust_remote_code)
+    return getattr(config, "text_config", None) or config
+
+
+def open_store(store_path, settings: CaptureSettings, *, sources, store_options: dict) -> StoreWriter:
+    """Create the store (or reopen it to resume; it must hold the same capture) with full provenance."""
+    config = target_config(settings.target, settings.trust_remote_code)
+    tokenizer = load_tokenizer(settings.target, settings.trust_remote_code)
+    extra = {
+        "target": target_fingerprint(settings.target),
+        "chat_template_sha256": chat_template_hash(tokenizer),
+        "vocab_size": int(config.vocab_size),
+        "mask_token_id": choose_mask_token(tokenizer, int(config.vocab_size)),
+        "generation": settings.identity(),
+        "sources": [str(s) for s in sources],
+    }
+    return StoreWriter(store_path, layer_ids=settings.layer_ids, hidden_size=config.hidden_size, manifest_extra=extra, **store_options)
+
+
+def estimate(records, settings: CaptureSettings, *, hidden_size: int, dtype: str, store_path, expected_response_tokens: int | None = None, sample: int = 256) -> dict:
+    """Bytes on disk before capture: prompts x expected length x layers x hidden x bytes/element.
+
+    Prompt lengths are measured on a sample of rendered prompts (about 4 characters a token where
+    the tokenizer cannot be loaded); the response length is
+    `expected_response_tokens` (default half of max_new_tokens). Compression is not counted
+    (half-precision features compress 1.0-1.5x), so the figure is an upper bound.
+    """
+    from flashdraft.target import chat_input_ids
+
+    try:
+        tokenizer = load_tokenizer(settings.target, settings.trust_remote_code)
+    except OSError:
+        tokenizer = None
+    step = max(1, len(records) // sample)
+    lens = []
+    for r in records[::step][:sample]:
+        msgs = [m for m in r.messages if m["role"] != "assistant"] or list(r.messages)
+        if tokenizer is None:
+            lens.append(sum(len(m["content"]) for m in msgs) / 4 + 8 * len(msgs))
+        else:
+            lens.append(len(chat_input_ids(tokenizer, msgs, enable_thinking=settings.enable_thinking, system_prompt=settings.system_prompt)))
+    prompt = sum(lens) / max(1, len(lens))
+    response = expected_response_tokens if expected_response_tokens is not None else settings.max_new_tokens / 2
+    per_seq = min(settings.max_length, prompt + response)
+    tokens = int(len(records) * per_seq)
+    bpt = bytes_per_token(len(settings.layer_ids), hidden_size, dtype)
+    path = Path(store_path)
+    while not path.exists():
+        path = path.parent
+    free = shutil.disk_usage(path).free
+    return {
+        "prompts": len(records),
+        "mean_prompt_tokens": round(prompt, 1),
+        "expected_response_tokens": response,
+        "tokens": tokens,
+        "bytes_per_token": bpt,
+        "bytes": tokens * bpt,
+        "free_bytes": free,
+        "fits": tokens * bpt < free,
+    }

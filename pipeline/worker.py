@@ -1,0 +1,149 @@
+"""One capture worker: holds a target, turns a task (a shard's worth of prompts) into a committed shard.
+
+The same class runs in-process (`num_actors: 0`) or as a Ray actor, one per GPU on a cluster.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from flashdraft.prompts import PromptRecord
+from flashdraft.store import ShardWriter, StoreLayout, read_manifest
+from flashdraft.target import chat_input_ids, load_target, stop_token_ids
+from pipeline.capture import Sampling, capture, regenerate
+
+
+@dataclass(frozen=True)
+class CaptureSettings:
+    target: str
+    layer_ids: tuple[int, ...]
+    dtype: str = "float32"  # the target's compute dtype
+    device: str = "cpu"
+    mode: str = "regenerate"  # regenerate | capture (records already carry responses)
+    max_new_tokens: int = 1024
+    max_length: int = 3072  # prompt + response, tokens
+    max_prompt_tokens: int = 2048
+    batch_size: int = 8
+    sampling: Sampling = field(default_factory=Sampling)
+    seed: int = 0
+    system_prompt: str | None = None
+    enable_thinking: bool | None = None
+    trust_remote_code: bool = False
+    torch_threads: int | None = None
+
+    def __post_init__(self):
+        if self.mode not in ("regenerate", "capture"):
+            raise ValueError(f"capture mode must be 'regenerate' or 'capture', got {self.mode!r}")
+
+    def identity(self) -> dict:
+        """The settings that define what a store holds (a resumed run must match them)."""
+        d = asdict(self)
+        for k in ("device", "batch_size", "torch_threads", "trust_remote_code", "target"):
+            d.pop(k)
+        d["layer_ids"] = list(self.layer_ids)
+        return d
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str  # the shard this task writes
+    records: tuple[PromptRecord, ...]
+    attempt: int = 0
+
+
+def task_seed(seed: int, name: str, batch: int) -> int:
+    return int(hashlib.sha256(f"{seed}:{name}:{batch}".encode()).hexdigest()[:15], 16)
+
+
+class CaptureWorker:
+    def __init__(self, store_path: str, settings: CaptureSettings):
+        self.store_path, self.s = str(store_path), settings
+        if settings.torch_threads:
+            torch.set_num_threads(settings.torch_threads)
+        self.layout = StoreLayout.from_manifest(read_manifest(store_path))
+        device = settings.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.model, self.tokenizer = load_target(
+            settings.target, getattr(torch, settings.dtype), device, trust_remote_code=settings.trust_remote_code
+        )
+        self.stop_ids = stop_token_ids(self.model, self.tokenizer)
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else (self.stop_ids[0] if self.stop_ids else 0)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    # --- prompts -> token ids ----------------------------------------------------------------
+
+    def _render(self, messages, add_generation_prompt=True) -> list[int]:
+        return chat_input_ids(
+            self.tokenizer, list(messages), add_generation_prompt=add_generation_prompt,
+            enable_thinking=self.s.enable_thinking, system_prompt=self.s.system_prompt,
+        )  # fmt: skip
+
+    def encode(self, record: PromptRecord) -> tuple[list[int], list[bool] | None] | str:
+        """(prompt ids, None) to regenerate, (sequence ids, loss mask) to capture, or a reject reason."""
+        s = self.s
+        msgs = list(record.messages)
+        try:
+            if s.mode == "regenerate":
+                while msgs and msgs[-1]["role"] == "assistant":
+                    msgs.pop()
+                ids = self._render(msgs)
+                if len(ids) > s.max_prompt_tokens or len(ids) >= s.max_length:
+                    return f"prompt too long ({len(ids)} tokens; max_prompt_tokens {s.max_prompt_tokens}, max_length {s.max_length})"
+                return ids, None
+            if not record.has_response:
+                return "no response to capture (capture mode needs a final assistant turn)"
+            prefix = self._render(msgs[:-1])
+            full = self._render(msgs, add_generation_prompt=False)
+        except Exception as e:  # noqa: BLE001 - a template that cannot render this record rejects it
+            return f"chat template failed: {type(e).__name__}: {str(e)[:200]}"
+        if full[: len(prefix)] != prefix:
+            return "chat template renders the response inconsistently with the generation prompt"
+        end = next((i + 1 for i in range(len(prefix), len(full)) if full[i] in self.stop_ids), len(full))
+        full = full[:end]  # up to and including the response's stop token, as regeneration would end
+        if len(prefix) > s.max_prompt_tokens or len(full) > s.max_length:
+            return f"sequence too long ({len(prefix)} prompt + {len(full) - len(prefix)} response tokens; max_length {s.max_length})"
+        if len(full) == len(prefix):
+            return "empty response"
+        return full, [i >= len(prefix) for i in range(len(full))]
+
+    # --- a task ------------------------------------------------------------------------------
+
+    def run(self, task: Task) -> dict:
+        t0 = time.time()
+        final = os.path.join(self.store_path, "shards", task.name)
+        if os.path.isdir(final):
+            raise FileExistsError(f"shard {task.name} is already committed")
+        encoded = []
+        with ShardWriter(self.store_path, task.name, self.layout) as shard:
+            for rec in task.records:
+                e = self.encode(rec)
+                if isinstance(e, str):
+                    shard.reject(rec.seq_id, e, source=rec.source, record_id=rec.record_id)
+                else:
+                    encoded.append((rec, *e))
+            encoded.sort(key=lambda x: len(x[1]))  # similar lengths batch with little padding
+            for b in range(0, len(encoded), self.s.batch_size):
+                batch = encoded[b : b + self.s.batch_size]
+                for (rec, *_), out in zip(batch, self._capture_batch(batch, task_seed(self.s.seed, task.name, b))):
+                    shard.append(rec.seq_id, out.input_ids, out.loss_mask, out.features)
+        return {"info": shard.info(), "pid": os.getpid(), "seconds": time.time() - t0}
+
+    def _capture_batch(self, batch, seed: int):
+        ids = [x[1] for x in batch]
+        if self.s.mode == "capture":
+            return capture(self.model, ids, [x[2] for x in batch], list(self.s.layer_ids), pad_id=self.pad_id)
+        gen = torch.Generator(device=self.model.device).manual_seed(seed) if self.s.sampling.do_sample else None
+        return regenerate(
+            self.model, ids, list(self.s.layer_ids),
+            max_new_tokens=[min(self.s.max_new_tokens, self.s.max_length - len(p)) for p in ids],
+            stop_ids=self.stop_ids, pad_id=self.pad_id, sampling=self.s.sampling, generator=gen,
+        )  # fmt: skip

@@ -1,0 +1,178 @@
+"""Capture (regenerate and capture-only), bad input, resume, NaN targets: in-process, no Ray."""
+
+import json
+import os
+import time
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from flashdraft.prompts import PromptSourceUnavailable, load_prompts
+from flashdraft.store import REJECTS, StoreError, StoreReader, verify_store
+from flashdraft.target import capture_features, load_tokenizer
+from pipeline.capture import Sampling, TargetNaNError, capture, regenerate
+from pipeline.fleet import FleetConfig, run_fleet
+from pipeline.job import load_records, open_store
+from pipeline.worker import CaptureSettings, CaptureWorker
+
+LAYERS = [1, 3, 4]
+
+
+def tiny(kind="llama", vocab=64, seed=0):
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2)
+    if kind == "qwen3":
+        return Qwen3ForCausalLM(Qwen3Config(head_dim=16, **kw)).eval()
+    return LlamaForCausalLM(LlamaConfig(**kw)).eval()
+
+
+def build_tiny_target(folder, nan_layer=None):
+    """A tiny random Llama with the SmolLM2 tokenizer (vocab 49152, ChatML), saved as an HF folder."""
+    tok = load_tokenizer("smollm2-135m")
+    model = tiny(vocab=len(tok))
+    model.generation_config.eos_token_id = tok.convert_tokens_to_ids("<|im_end|>")
+    # make the end token likely so responses have varied lengths
+    with torch.no_grad():
+        model.lm_head.weight[model.generation_config.eos_token_id] *= 6
+        if nan_layer is not None:
+            model.model.layers[nan_layer].mlp.down_proj.weight[0, 0] = float("nan")
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return build_tiny_target(tmp_path_factory.mktemp("tiny-target"))
+
+
+def settings_for(target, **kw):
+    return CaptureSettings(target=target, layer_ids=tuple(LAYERS), **{"max_new_tokens": 12, "batch_size": 3, **kw})
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_regenerate_captures_what_a_fresh_forward_computes(kind):
+    model = tiny(kind)
+    prompts = [[1, 5, 9, 3], list(range(7, 20)), [2], [4, 4, 4, 4, 4, 4]]
+    out = regenerate(model, prompts, LAYERS, max_new_tokens=[12, 20, 7, 9], stop_ids=[5, 6], pad_id=0)
+    lengths = set()
+    for p, r in zip(prompts, out):
+        assert r.input_ids[: len(p)].tolist() == p
+        assert r.loss_mask.tolist() == [False] * len(p) + [True] * (len(r.input_ids) - len(p))
+        assert r.finished == (r.input_ids[-1].item() in (5, 6))
+        ref = capture_features(model, r.input_ids[None], LAYERS)[0]
+        assert r.features.shape == ref.shape
+        assert (r.features - ref).abs().max() < 1e-4  # padded members included: positions skip the pads
+        g = model.generate(torch.tensor([p]), max_new_tokens=len(r.input_ids) - len(p), do_sample=False, eos_token_id=[5, 6], pad_token_id=0)
+        assert g[0].tolist() == r.input_ids.tolist()  # greedy: the same tokens as generate()
+        lengths.add(len(r.input_ids) - len(p))
+    assert len(lengths) > 1
+    seqs = [r.input_ids.tolist() for r in out]
+    for r, c in zip(out, capture(model, seqs, [r.loss_mask for r in out], LAYERS, pad_id=0)):
+        assert (r.features - c.features).abs().max() < 1e-4 and torch.equal(r.loss_mask, c.loss_mask)
+
+
+def test_sampling_is_seeded_and_respects_top_k():
+    model = tiny()
+    s = Sampling(do_sample=True, temperature=1.5, top_k=3)
+    run = lambda seed: regenerate(model, [[1, 2, 3]] * 2, LAYERS, max_new_tokens=10, stop_ids=[], pad_id=0, sampling=s,
+                                  generator=torch.Generator().manual_seed(seed))  # noqa: E731
+    a, b, c = run(1), run(1), run(2)
+    assert all(torch.equal(x.input_ids, y.input_ids) for x, y in zip(a, b))
+    assert any(not torch.equal(x.input_ids, y.input_ids) for x, y in zip(a, c))
+    ref = capture_features(model, a[0].input_ids[None], LAYERS)[0]
+    assert (a[0].features - ref).abs().max() < 1e-4
+
+
+def write_jsonl(path, lines):
+    with open(path, "wb") as f:
+        for line in lines:
+            f.write((line if isinstance(line, bytes) else json.dumps(line).encode()) + b"\n")
+
+
+def fleet_run(store, target, records, rejects=(), **kw):
+    settings = settings_for(target, **{k: kw.pop(k) for k in list(kw) if k in CaptureSettings.__dataclass_fields__})
+    writer = open_store(store, settings, sources=["test"], store_options=dict(shard_tokens=256, chunk_tokens=32))
+    fleet = FleetConfig(num_actors=0, shard_size=kw.pop("shard_size", 3), **kw)
+    return run_fleet(store, records, settings, writer, fleet, load_rejects=list(rejects), progress=False)
+
+
+def test_bad_input_is_rejected_with_reasons_and_the_rest_is_captured(tmp_path, target):
+    src = tmp_path / "prompts.jsonl"
+    write_jsonl(src, [
+        {"prompt": "Write a haiku about the sea."},
+        b'{"messages": [{"role": "user", "content": "unterminated',
+        {"prompt": "   \n\t "},
+        {"messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "hello"}]},
+        b'{"prompt": "caf\xe9 au lait"}',
+        {"prompt": "word " * 600},
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a prime."}]},
+        [1, 2],
+    ])  # fmt: skip
+    records, rejects = load_records([str(src)], split=None)
+    summary = fleet_run(tmp_path / "s", target, records + records[:1], rejects, max_prompt_tokens=300)
+    reasons = [json.loads(line)["reason"] for line in open(tmp_path / "s" / REJECTS)]
+    for want in ("malformed JSON", "(user) is empty", "roles out of order", "not UTF-8", "prompt too long", "duplicate record", "not a JSON object"):
+        assert sum(want in r for r in reasons) == 1, (want, reasons)
+    assert sum(summary.rejects.values()) == len(reasons) == 7
+    r = StoreReader(tmp_path / "s")
+    assert len(r) == 2 == summary.sequences and not summary.failed
+    assert verify_store(tmp_path / "s", progress=False)[0] == []
+    tok = load_tokenizer(target)
+    texts = [tok.decode(r.read(i).input_ids) for i in range(len(r))]
+    assert any("Be brief." in t and "Name a prime." in t for t in texts) and any("haiku" in t for t in texts)
+
+
+def test_capture_mode_keeps_given_responses(tmp_path, target):
+    src = tmp_path / "chat.jsonl"
+    write_jsonl(src, [
+        {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4, of course."}]},
+        {"prompt": "Capital of France?", "response": "Paris."},
+        {"prompt": "no answer here"},
+    ])  # fmt: skip
+    records, rejects = load_records([str(src)], split=None)
+    fleet_run(tmp_path / "s", target, records, rejects, mode="capture")
+    r = StoreReader(tmp_path / "s")
+    tok = load_tokenizer(target)
+    worker = CaptureWorker(str(tmp_path / "s"), settings_for(target, mode="capture"))
+    assert len(r) == 2
+    for i in range(2):
+        s = r.read(i)
+        assert tok.decode(s.input_ids[s.loss_mask]) in ("4, of course.<|im_end|>", "Paris.<|im_end|>")
+        ref = capture_features(worker.model, torch.as_tensor(s.input_ids)[None], LAYERS)[0]
+        assert (s.features - ref.to(torch.bfloat16).float()).abs().max() <= 0.02 * ref.abs().max()
+    assert "no response to capture" in open(tmp_path / "s" / REJECTS).read()
+
+
+def test_resume_skips_committed_and_refuses_another_capture(tmp_path, target):
+    records = load_prompts("humaneval", limit=7)
+    first = fleet_run(tmp_path / "s", target, records[:4])
+    assert first.new_sequences == 4 and first.shards_done == 2
+    again = fleet_run(tmp_path / "s", target, records)  # a longer run over the same store: only the rest
+    assert again.new_sequences == 3 and again.sequences == 7
+    r = StoreReader(tmp_path / "s")
+    assert sorted(r.seq_ids) == sorted(x.seq_id for x in records)
+    assert fleet_run(tmp_path / "s", target, records).new_sequences == 0
+    with pytest.raises(StoreError, match="different capture.*generation"):
+        fleet_run(tmp_path / "s", target, records, max_new_tokens=5)
+
+
+def test_nan_target_fails_its_shard_without_retries(tmp_path):
+    target = build_tiny_target(tmp_path / "nan-target", nan_layer=2)
+    t0 = time.time()
+    summary = fleet_run(tmp_path / "s", target, load_prompts("humaneval", limit=2), max_attempts=3)
+    assert [f["attempts"] for f in summary.failed] == [1]
+    assert "TargetNaNError" in summary.failed[0]["error"] and "NaN" in summary.failed[0]["error"]
+    assert summary.sequences == 0 and os.listdir(tmp_path / "s" / "shards") == []
+    assert time.time() - t0 < 60
+    with pytest.raises(TargetNaNError):
+        regenerate(LlamaForCausalLM.from_pretrained(target), [[1, 2]], LAYERS, max_new_tokens=2, stop_ids=[], pad_id=0)
+
+
+def test_hub_sources_fail_fast_and_clearly(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    t0 = time.time()
+    with pytest.raises(PromptSourceUnavailable, match="codealpaca"):
+        load_records(["codealpaca"])
+    assert time.time() - t0 < 30

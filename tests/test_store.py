@@ -1,0 +1,197 @@
+"""The feature store: round trip per dtype, atomic commits, lazy reads, verification."""
+
+import json
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+from flashdraft.store import (
+    SHARDS,
+    ShardWriter,
+    StoreError,
+    StoreLayout,
+    StoreReader,
+    StoreWriter,
+    verify_store,
+    write_store,
+)
+
+LAYERS, H = [1, 4, 7], 32
+
+
+def make_sequences(lengths=(5, 100, 70, 1, 300), seed=0, scale=3.0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, n in enumerate(lengths):
+        feats = torch.randn(n, len(LAYERS) * H, generator=g) * scale
+        feats[:, 0] = 1000.0 * (i + 1)  # a massive activation, as real targets have
+        ids = torch.randint(0, 50_000, (n,), generator=g).numpy()
+        out.append(dict(seq_id=f"seq-{seed}-{i}", input_ids=ids, loss_mask=np.arange(n) >= n // 3, features=feats))
+    return out
+
+
+def small(dtype="bfloat16"):
+    return dict(layer_ids=LAYERS, hidden_size=H, dtype=dtype, chunk_tokens=16, shard_tokens=64)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float8_e4m3", "float32"])
+def test_round_trip(tmp_path, dtype):
+    seqs = make_sequences()
+    extra = {"target": {"name": "tiny"}, "vocab_size": 50_000, "mask_token_id": 3}
+    r = write_store(tmp_path / "s", seqs, manifest_extra=extra, **small(dtype))
+    assert len(r) == len(seqs) and r.seq_ids == [s["seq_id"] for s in seqs]
+    assert r.layer_ids == LAYERS and r.hidden_size == H
+    assert list(r.lengths) == [len(s["input_ids"]) for s in seqs]
+    assert r.manifest["counts"] == {"sequences": 5, "tokens": 476, "response_tokens": sum(int(s["loss_mask"].sum()) for s in seqs)}
+    assert r.manifest["target"] == {"name": "tiny"} and r.manifest["mask_token_id"] == 3
+    for i in np.random.default_rng(0).permutation(len(seqs)):
+        s, got = seqs[i], r.read(int(i))
+        assert got.seq_id == s["seq_id"]
+        assert got.input_ids.dtype == np.int64 and np.array_equal(got.input_ids, s["input_ids"])
+        assert got.loss_mask.dtype == np.bool_ and np.array_equal(got.loss_mask, s["loss_mask"])
+        assert got.features.dtype == torch.float32 and got.features.shape == s["features"].shape
+        x = s["features"]
+        if dtype == "bfloat16":
+            assert torch.equal(got.features, x.to(torch.bfloat16).float())
+        elif dtype == "float16":
+            assert torch.equal(got.features, x.to(torch.float16).float())
+        elif dtype == "float32":
+            assert torch.equal(got.features, x)
+        else:  # e4m3: 3 mantissa bits relative to each token's own per-layer scale
+            for j in range(len(LAYERS)):
+                xs, gs = x[:, j * H : (j + 1) * H], got.features[:, j * H : (j + 1) * H]
+                scale = xs.abs().amax(-1, keepdim=True) / 448
+                assert ((gs - xs).abs() <= xs.abs() / 16 + scale * 2**-9 + 1e-6).all()
+                assert not torch.equal(gs, xs)
+    sub = r.read(4, layers=[7, 1])
+    assert torch.equal(sub.features, torch.cat([r.read(4).features[:, 2 * H :], r.read(4).features[:, :H]], -1))
+    assert verify_store(tmp_path / "s", progress=False)[0] == []
+
+
+def test_bf16_is_exact_on_bf16_input(tmp_path):
+    seqs = make_sequences()
+    for s in seqs:
+        s["features"] = s["features"].to(torch.bfloat16)
+    r = write_store(tmp_path / "s", seqs, **small())
+    assert all(torch.equal(r.read(i).features, s["features"].float()) for i, s in enumerate(seqs))
+
+
+def test_plain_zarr_reads_the_layout(tmp_path):
+    seqs = make_sequences()
+    write_store(tmp_path / "s", seqs, **small())
+    g = zarr.open_group(str(tmp_path / "s" / SHARDS / "shard-00000"), mode="r")
+    off = g.attrs["offsets"]
+    a, b = off[2], off[3]
+    assert g.attrs["seq_ids"][2] == seqs[2]["seq_id"]
+    bits = g["layer_04"][a:b]
+    x = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).float()
+    assert torch.equal(x, seqs[2]["features"][:, H : 2 * H].to(torch.bfloat16).float())
+    assert g["layer_04"].shards == (64, H) and g["layer_04"].chunks == (16, H)
+
+
+def test_bad_inputs_are_named(tmp_path):
+    w = StoreWriter(tmp_path / "s", **small())
+    with pytest.raises(StoreError, match="features"):
+        with w.shard("shard-00000") as sh:
+            sh.append("a", [1, 2, 3], [0, 1, 1], torch.zeros(3, 2 * H))
+    nan = torch.zeros(3, 3 * H)
+    nan[1, 5] = float("nan")
+    with pytest.raises(StoreError, match="NaN"):
+        with w.shard("shard-00000") as sh:
+            sh.append("a", [1, 2, 3], [0, 1, 1], nan)
+    with pytest.raises(StoreError, match="overflow float16"):
+        w16 = StoreWriter(tmp_path / "s16", **small("float16"))
+        with w16.shard("shard-00000") as sh:
+            sh.append("a", [1, 2, 3], [0, 1, 1], torch.full((3, 3 * H), 1e5))
+    with pytest.raises(StoreError, match="twice"):
+        with w.shard("shard-00000") as sh:
+            sh.append("a", [1], [1], torch.zeros(1, 3 * H))
+            sh.append("a", [1], [1], torch.zeros(1, 3 * H))
+    # aborted shards leave nothing behind
+    assert os.listdir(tmp_path / "s" / SHARDS) == []
+    with pytest.raises(StoreError, match="different capture.*dtype"):
+        StoreWriter(tmp_path / "s", **small("float16"))
+    with pytest.raises(StoreError, match="no feature store"):
+        StoreReader(tmp_path / "nowhere")
+    (tmp_path / "s" / "manifest.json").write_text("{not json")
+    with pytest.raises(StoreError, match="corrupt"):
+        StoreReader(tmp_path / "s")
+    with pytest.raises(StoreError, match="not in this store"):
+        write_store(tmp_path / "t", make_sequences(), **small()).read(0, layers=[2])
+
+
+def test_crashed_shard_is_ignored_and_redone(tmp_path):
+    seqs = make_sequences()
+    w = StoreWriter(tmp_path / "s", **small())
+    with w.shard("shard-00000") as sh:
+        for s in seqs[:2]:
+            sh.append(**s)
+    w.register(sh.info())
+    # a writer dies mid-shard: its temp dir holds chunks but was never renamed or listed
+    dead = ShardWriter(tmp_path / "s", "shard-00001", w.layout)
+    for s in seqs[2:]:
+        dead.append(**s)
+    dead._flush(final=True)
+    del dead
+    # and another died between rename and register: complete but unlisted
+    with w.shard("shard-00002") as sh:
+        sh.append(**seqs[4])
+    r = StoreReader(tmp_path / "s")
+    assert r.seq_ids == [s["seq_id"] for s in seqs[:2]]
+    assert verify_store(tmp_path / "s", progress=False)[0] == []
+    w2 = StoreWriter(tmp_path / "s", **small())
+    assert w2.unlisted_shards() == ["shard-00002"]
+    w2.adopt("shard-00002")
+    assert [d for d in w2.remove_temp()][0].startswith(".tmp-shard-00001")
+    with w2.shard("shard-00001") as sh:
+        for s in seqs[2:4]:
+            sh.append(**s)
+    w2.register(sh.info())
+    w2.register(sh.info())  # idempotent
+    r = StoreReader(tmp_path / "s")
+    assert sorted(r.seq_ids) == sorted(s["seq_id"] for s in seqs)
+    assert r.manifest["counts"]["sequences"] == 5 and r.manifest["counts"]["tokens"] == 476
+    assert sorted(os.listdir(tmp_path / "s" / SHARDS)) == ["shard-00000", "shard-00001", "shard-00002"]
+    assert verify_store(tmp_path / "s", progress=False)[0] == []
+
+
+def test_verify_catches_damage(tmp_path):
+    write_store(tmp_path / "s", make_sequences(), **small())
+    shard = tmp_path / "s" / SHARDS / "shard-00000"
+    chunk = shard / "layer_04" / "c" / "3" / "0"
+    with open(chunk, "r+b") as f:
+        f.truncate(os.path.getsize(chunk) // 2)
+    problems, _ = verify_store(tmp_path / "s", progress=False)
+    assert any("layer_04/c/3 is unreadable" in p for p in problems), problems
+    os.remove(shard / "layer_07" / "c" / "1" / "0")
+    problems, _ = verify_store(tmp_path / "s", progress=False)
+    assert any("layer_07/c/1/0 is missing" in p for p in problems), problems
+
+    write_store(tmp_path / "m", make_sequences(), **small())
+    m = json.loads((tmp_path / "m" / "manifest.json").read_text())
+    m["shards"].append({**m["shards"][0], "name": "shard-00009"})
+    (tmp_path / "m" / "manifest.json").write_text(json.dumps(m))
+    problems, _ = verify_store(tmp_path / "m", progress=False)
+    assert any("shard-00009 is listed in the manifest but missing" in p for p in problems)
+    assert any("manifest counts" in p for p in problems)
+
+
+def test_reader_is_lazy_and_picklable(tmp_path):
+    w = StoreWriter(tmp_path / "s", **small())
+    for k in range(3):
+        with w.shard(f"shard-{k:05d}") as sh:
+            for s in make_sequences(seed=k):
+                sh.append(**s)
+        w.register(sh.info())
+    r = StoreReader(tmp_path / "s")
+    assert len(r) == 15 and all(not s.arrays for s in r._shards)
+    x = r.read(12)
+    assert x.seq_id == "seq-2-2" and torch.equal(x.features, make_sequences(seed=2)[2]["features"].to(torch.bfloat16).float())
+    assert len(r._shards[2].arrays) > 0 and not r._shards[0].arrays
+    r2 = pickle.loads(pickle.dumps(r))
+    assert torch.equal(r2.read(12).features, x.features) and r2.index("seq-1-0") == 5
+    assert StoreLayout.from_manifest(r.manifest) == w.layout
