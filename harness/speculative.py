@@ -12,6 +12,7 @@ target's distribution. Block size 1 is plain decoding: no drafter call, one toke
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
 
@@ -55,30 +56,33 @@ class Generation:
     num_prompt_tokens: int
     block_size: int
     acceptance_lengths: list[int] = field(default_factory=list)  # committed tokens per round (max B)
-    prefill_s: float = 0.0  # prompt forward + first token
+    prefill_s: float = 0.0  # the prompt forward that emits the first token
+    decode_s: float = 0.0  # everything after the prefill
     draft_s: list[float] = field(default_factory=list)  # per round
     verify_s: list[float] = field(default_factory=list)
     bookkeeping_s: list[float] = field(default_factory=list)
     stopped: bool = False  # ended on a stop token
 
     @property
-    def decode_s(self) -> float:
-        """Wall time after the prefill (the first token is emitted by the prefill)."""
-        return sum(self.draft_s) + sum(self.verify_s) + sum(self.bookkeeping_s)
-
-    @property
     def decode_tokens(self) -> int:
+        """Tokens emitted after the prefill."""
         return sum(self.acceptance_lengths)
 
     @property
     def tau(self) -> float | None:
+        """Mean tokens committed per target forward after the prefill."""
         return self.decode_tokens / len(self.acceptance_lengths) if self.acceptance_lengths else None
 
 
-def _clock(device: torch.device) -> float:
+def clock(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+def _cache_kwarg(model) -> str:
+    """transformers 5.24 renamed `past_key_values` to `cache` (the old name warns)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _crop(cache: DynamicCache, length: int) -> None:
@@ -133,23 +137,25 @@ def speculative_generate(
     positions = torch.arange(max_length + 1, device=device)[None]
     cache = DynamicCache(config=target.config)
     cache.activate_past_recording()
+    kv = {_cache_kwarg(target): cache}
     result = Generation([], n, block_size)
 
-    t0 = _clock(device)
+    t0 = clock(device)
     out = target(
-        ids, position_ids=positions[:, :n], past_key_values=cache, use_cache=True,
+        ids, position_ids=positions[:, :n], **kv, use_cache=True,
         logits_to_keep=1, output_hidden_states=layer_ids is not None,
     )
     output[0, n] = choose(out.logits[0, -1])
     context = extract_context_feature(out.hidden_states, layer_ids) if layer_ids is not None else None
-    result.prefill_s = _clock(device) - t0
+    result.prefill_s = clock(device) - t0
 
     if proposer is not None and block_size > 1:
         proposer.start()
     start = n  # position of the newest committed token, whose K/V the target has not computed yet
     stopped = bool(torch.isin(output[0, n], stop))
+    decode_start = clock(device)
     while start + 1 < max_length and not stopped:
-        t0 = _clock(device)
+        t0 = clock(device)
         size = min(block_size, max_length - start)  # the last block shrinks to end at max_new_tokens
         block = output[:, start : start + size].clone()
         if size > 1:
@@ -159,12 +165,12 @@ def speculative_generate(
                 block[0, 1:] = sample(draft_probs, generator)
             else:
                 block[0, 1:] = draft_logits.argmax(dim=-1)
-        t1 = _clock(device)
+        t1 = clock(device)
         out = target(
-            block, position_ids=positions[:, start : start + size], past_key_values=cache, use_cache=True,
+            block, position_ids=positions[:, start : start + size], **kv, use_cache=True,
             output_hidden_states=layer_ids is not None,
         )
-        t2 = _clock(device)
+        t2 = clock(device)
         logits = out.logits[0]
         if temperature > 0:
             target_probs = sampling_probs(logits, temperature, top_p, top_k)
@@ -185,11 +191,12 @@ def speculative_generate(
         start += produced
         _crop(cache, start)
         result.acceptance_lengths.append(produced)
-        t3 = _clock(device)
+        t3 = clock(device)
         result.draft_s.append(t1 - t0)
         result.verify_s.append(t2 - t1)
         result.bookkeeping_s.append(t3 - t2)
 
     result.tokens = output[0, n : min(start + 1, max_length)].tolist()
     result.stopped = stopped
+    result.decode_s = clock(device) - decode_start
     return result

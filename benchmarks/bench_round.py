@@ -1,0 +1,73 @@
+"""Wall-clock of one speculative round (draft / verify / bookkeeping) against one plain decode step.
+
+    .venv/bin/python benchmarks/bench_round.py [--prompts 3] [--max-new-tokens 48] [--block-size 16] [--threads N]
+
+SmolLM2-135M (the embedded default) with an untrained 5-layer drafter on held-out HumanEval
+prompts; both loops are the harness's, so the ratios compare like with like. Printed ratios:
+round / plain step (the cost tau must beat), verify / plain step, draft / plain step, and the
+break-even tau (speedup = tau * plain step / round).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from flashdraft.prompts import load_prompts
+from flashdraft.target import chat_input_ids, frozen_head_from_model, load_target, stop_token_ids
+from harness.evaluate import load_drafter
+from harness.speculative import DrafterProposer, speculative_generate
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target, tokenizer = load_target("smollm2-135m")
+    drafter, _ = load_drafter(None, target, tokenizer, allow_untrained=True, block_size=args.block_size)
+    proposer = DrafterProposer(drafter, frozen_head_from_model(target))
+    stop = stop_token_ids(target, tokenizer)
+    prompts = [chat_input_ids(tokenizer, list(r.messages)) for r in load_prompts("humaneval", split="heldout", limit=args.prompts)]
+    speculative_generate(target, prompts[0], max_new_tokens=4, proposer=proposer)  # warm-up
+
+    draft, verify, book, plain_steps, prompt_lens, cache_lens = [], [], [], [], [], []
+    for ids in prompts:  # plain and DFlash alternate per prompt so load drifts hit both
+        plain = speculative_generate(target, ids, max_new_tokens=args.max_new_tokens, stop_token_ids=stop)
+        plain_steps += plain.verify_s  # block 1: each round is one target forward over one token
+        spec = speculative_generate(target, ids, max_new_tokens=args.max_new_tokens, stop_token_ids=stop, proposer=proposer)
+        draft += spec.draft_s
+        verify += spec.verify_s
+        book += spec.bookkeeping_s
+        prompt_lens.append(len(ids))
+        cache_lens.append(len(ids) + len(spec.tokens))
+    head_in = torch.randn(args.block_size - 1, target.config.hidden_size)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        proposer.head.lm_head(head_in)
+    head_ms = (time.perf_counter() - t0) / 20 * 1000
+
+    ms = lambda xs: 1000 * statistics.mean(xs)  # noqa: E731
+    step, rnd = ms(plain_steps), ms(draft) + ms(verify) + ms(book)
+    print(f"SmolLM2-135M fp32, untrained {len(drafter.layers)}-layer drafter ({drafter.num_parameters() / 1e6:.1f}M params), "
+          f"block {args.block_size}, {len(prompts)} HumanEval prompts ({min(prompt_lens)}-{max(prompt_lens)} tokens, "
+          f"up to {max(cache_lens)} with output), {torch.get_num_threads()} threads")
+    print(f"plain decode step    {step:8.2f} ms  ({len(plain_steps)} steps)")
+    print(f"round: draft        {ms(draft):8.2f} ms  (of which the output head over {args.block_size - 1} positions ~{head_ms:.2f} ms)")
+    print(f"       verify       {ms(verify):8.2f} ms  (target forward over {args.block_size} tokens)")
+    print(f"       bookkeeping  {ms(book):8.2f} ms")
+    print(f"       total        {rnd:8.2f} ms  ({len(draft)} rounds)")
+    print(f"ratios: round/plain step {rnd / step:.2f}, verify/plain step {ms(verify) / step:.2f}, "
+          f"draft/plain step {ms(draft) / step:.2f}, bookkeeping/round {ms(book) / rnd:.3f}")
+    print(f"break-even tau {rnd / step:.2f}: speedup = tau x {step / rnd:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""python -m harness [overrides]: measure a drafter against plain decoding and prompt lookup.
+
+    python -m harness                                   # conf/eval/quick.yaml, the model's drafter_dir
+    python -m harness eval=full eval.drafter=PATH
+    python -m harness eval.limit=2 eval.temperature=0.7 eval.methods=[plain,dflash]
+Writes report.json, report.md and runs.jsonl (one line per prompt, as it goes) into eval.out_dir.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from flashdraft.target import frozen_head_from_model, load_target, stop_token_ids, target_fingerprint
+from harness.evaluate import (
+    UNTRAINED_WARNING,
+    DecodeSettings,
+    build_prompts,
+    environment,
+    evaluate,
+    load_drafter,
+    summarize,
+)
+from harness.report import TIMING_NOTE, methods_table, write_report
+from harness.speculative import DrafterProposer
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def run(cfg: DictConfig) -> dict:
+    e, m = cfg.eval, cfg.model
+    if e.num_threads:
+        torch.set_num_threads(int(e.num_threads))
+    device, dtype = resolve_device(cfg.device), getattr(torch, m.dtype)
+    target, tokenizer = load_target(m.target, dtype=dtype, device=device, trust_remote_code=cfg.trust_remote_code)
+    methods = list(e.methods)
+    proposer, untrained, drafter_path, block_size = None, False, None, 1
+    if "dflash" in methods:
+        drafter, untrained = load_drafter(
+            e.drafter, target, tokenizer, allow_untrained=e.allow_untrained, num_layers=m.drafter.num_layers,
+            block_size=m.drafter.block_size, layer_ids=m.layer_ids, num_target_features=m.num_target_features,
+            intermediate_size=m.drafter.intermediate_size, seed=cfg.seed,
+        )
+        proposer = DrafterProposer(drafter, frozen_head_from_model(target))
+        drafter_path = "untrained (random)" if untrained else str(e.drafter)
+        block_size = e.block_size or drafter.block_size
+        if untrained:
+            print(f"\n{'!' * 100}\n!!! {UNTRAINED_WARNING}\n{'!' * 100}\n", file=sys.stderr, flush=True)
+    settings = DecodeSettings(
+        max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p, top_k=e.top_k,
+        block_size=block_size, prompt_lookup_num_tokens=e.prompt_lookup_num_tokens, seed=e.seed,
+    )
+    prompts = build_prompts(
+        tokenizer, OmegaConf.to_object(e.prompts) if OmegaConf.is_config(e.prompts) else e.prompts,
+        split=e.split, limit=e.limit, system_prompt=m.chat.system_prompt, enable_thinking=m.chat.enable_thinking,
+    )
+    out_dir = Path(e.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log_path = out_dir / "runs.jsonl"
+    log_path.unlink(missing_ok=True)
+    records = evaluate(
+        target, prompts, settings, methods=methods, proposer=proposer, stop_token_ids=stop_token_ids(target, tokenizer),
+        log_path=log_path, warmup=e.warmup,
+    )
+    counts = {}
+    for p in prompts:
+        counts[p.source] = counts.get(p.source, 0) + 1
+    report = {
+        "settings": {
+            "target": str(m.target),
+            "target_fingerprint": target_fingerprint(m.target),
+            "drafter": drafter_path,
+            "untrained_drafter": untrained,
+            "drafter_layer_ids": proposer.layer_ids if proposer else None,
+            "prompt_sources": list(counts),
+            "prompt_counts": counts,
+            "split": e.split,
+            "limit": e.limit,
+            "max_new_tokens": e.max_new_tokens,
+            "temperature": e.temperature,
+            "top_p": e.top_p,
+            "top_k": e.top_k,
+            "block_size": block_size,
+            "prompt_lookup_num_tokens": e.prompt_lookup_num_tokens,
+            "methods": methods,
+            "seed": e.seed,
+            "device": str(device),
+            "dtype": m.dtype,
+            "timing": TIMING_NOTE,
+            **environment(),
+        },
+        "methods": summarize(records, methods, greedy=e.temperature == 0, block_size=block_size),
+        "prompts": [
+            {
+                "source": r["source"], "record_id": r["record_id"], "prompt_tokens": r["prompt_tokens"],
+                **{f"{k}_new_tokens": len(v["tokens"]) for k, v in r["methods"].items()},
+                "text": tokenizer.decode(next(iter(r["methods"].values()))["tokens"]),
+            }
+            for r in records
+        ],
+    }
+    if untrained:
+        report["warning"] = UNTRAINED_WARNING
+    json_path, md_path = write_report(report, out_dir)
+    print(("\n!!! " + UNTRAINED_WARNING + "\n" if untrained else "") + "\n" + methods_table(report["methods"]))
+    if "dflash" in methods:
+        d = report["methods"]["dflash"]
+        print(f"dflash acceptance histogram {json.dumps(d['acceptance_histogram'])}; round ms "
+              + ", ".join(f"{k} {v:.1f}" for k, v in d["round_ms"].items()))
+    print(f"\nwrote {json_path} and {md_path}")
+    return report
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base=None)
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""Evaluation: plain decoding, prompt lookup and DFlash on the same prompts, summarised.
+
+Methods
+  plain          the harness loop at block size 1: KV cache, one target forward per token
+  prompt_lookup  transformers generate(prompt_lookup_num_tokens=10), the free baseline
+  dflash         the harness loop with the drafter
+Decode time excludes the prefill (the prompt forward that emits the first token) for every
+method; speedup is decode throughput over plain decoding's on the same prompts, which for greedy
+(identical outputs) is plain decode wall time / method decode wall time.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from flashdraft.model import DFlashDrafter, make_draft_config
+from flashdraft.prompts import load_prompts
+from flashdraft.target import chat_input_ids, choose_mask_token, frozen_head_from_model, target_layer_ids
+from harness.prompt_lookup import prompt_lookup_generate
+from harness.speculative import DrafterProposer, Generation, speculative_generate
+
+METHODS = ("plain", "prompt_lookup", "dflash")
+UNTRAINED_WARNING = (
+    "UNTRAINED DRAFTER: no drafter checkpoint was found, so a randomly initialised one was measured. "
+    "tau and speedup say nothing about a trained drafter; losslessness still holds."
+)
+
+
+@dataclass(frozen=True)
+class EvalPrompt:
+    source: str
+    record_id: str
+    input_ids: list[int]
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    block_size: int | None = None  # None: the drafter's
+    prompt_lookup_num_tokens: int = 10
+    seed: int = 0
+
+
+def build_prompts(tokenizer, sources, *, split="heldout", limit=None, system_prompt=None, enable_thinking=None) -> list[EvalPrompt]:
+    """Chat-templated prompts, `limit` per source; MT-Bench and other multi-turn sources: first turn."""
+    prompts = []
+    for source in [sources] if isinstance(sources, str) else list(sources):
+        records = load_prompts(source, split=None if split == "all" else split, limit=limit)
+        if not records:
+            raise ValueError(f"prompt source {source!r} has no {split!r} prompts")
+        for r in records:
+            ids = chat_input_ids(tokenizer, list(r.messages), enable_thinking=enable_thinking, system_prompt=system_prompt)
+            prompts.append(EvalPrompt(r.source, r.record_id, ids))
+    return prompts
+
+
+def load_drafter(path, target, tokenizer, *, allow_untrained=False, num_layers=5, block_size=16, layer_ids=None,
+                 num_target_features=5, intermediate_size=None, seed=0) -> tuple[DFlashDrafter, bool]:
+    """(drafter, untrained): the checkpoint at `path`, or a random one when allowed and there is none."""
+    dtype, device = target.dtype, target.device
+    if path and (Path(path) / "config.json").is_file():
+        drafter = DFlashDrafter.from_pretrained(path, dtype=dtype, device=device)
+        check_drafter_fits(drafter, target, path)
+        return drafter, False
+    if not allow_untrained:
+        raise FileNotFoundError(
+            f"no drafter at {path!r} (config.json missing): train one (make train) or pass eval.drafter=PATH; "
+            "eval.allow_untrained=true measures an untrained random drafter instead"
+        )
+    torch.manual_seed(seed)
+    config = make_draft_config(
+        target.config,
+        mask_token_id=choose_mask_token(tokenizer, target.config.vocab_size),
+        num_draft_layers=num_layers,
+        block_size=block_size,
+        target_layer_ids=target_layer_ids(target.config, num_target_features, layer_ids),
+        intermediate_size=intermediate_size,
+    )
+    return DFlashDrafter(config).to(device=device, dtype=dtype).eval().requires_grad_(False), True
+
+
+def check_drafter_fits(drafter, target, path) -> None:
+    tc = getattr(target.config, "text_config", None) or target.config
+    dc = drafter.config
+    problems = [
+        f"{key} {getattr(dc, key)} != target's {getattr(tc, key)}"
+        for key in ("hidden_size", "vocab_size")
+        if getattr(dc, key) != getattr(tc, key)
+    ]
+    bad = [i for i in drafter.target_layer_ids if not 0 <= i < tc.num_hidden_layers]
+    if bad:
+        problems.append(f"target_layer_ids {bad} outside the target's {tc.num_hidden_layers} layers")
+    if problems:
+        raise ValueError(f"drafter {path} does not fit the target: " + "; ".join(problems))
+
+
+def run_method(method, target, prompt: EvalPrompt, settings: DecodeSettings, *, proposer=None, stop_token_ids=(), seed=0) -> Generation:
+    common = dict(
+        max_new_tokens=settings.max_new_tokens, stop_token_ids=stop_token_ids,
+        temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
+    )
+    if method == "prompt_lookup":
+        torch.manual_seed(seed)
+        return prompt_lookup_generate(target, prompt.input_ids, num_lookup_tokens=settings.prompt_lookup_num_tokens, **common)
+    generator = torch.Generator(device=target.device).manual_seed(seed)
+    if method == "plain":
+        return speculative_generate(target, prompt.input_ids, block_size=1, generator=generator, **common)
+    if method == "dflash":
+        return speculative_generate(target, prompt.input_ids, proposer=proposer, block_size=settings.block_size, generator=generator, **common)
+    raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
+
+
+def evaluate(target, prompts, settings: DecodeSettings, *, methods=METHODS, proposer=None, stop_token_ids=(),
+             log_path=None, warmup=True, progress=True) -> list[dict]:
+    """Run every method on every prompt (methods interleaved per prompt, so load drifts hit all alike).
+    One line per prompt is appended to `log_path` as it finishes."""
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown methods {unknown}; known: {', '.join(METHODS)}")
+    if "dflash" in methods and proposer is None:
+        raise ValueError("method dflash needs a drafter")
+    if warmup and prompts:  # first calls pay one-off costs (allocator, kernels); keep them out of the timing
+        short = DecodeSettings(**{**asdict(settings), "max_new_tokens": min(8, settings.max_new_tokens)})
+        for method in methods:
+            run_method(method, target, prompts[0], short, proposer=proposer, stop_token_ids=stop_token_ids)
+    records = []
+    bar = tqdm(total=len(prompts) * len(methods), desc="eval", unit="gen", disable=not progress)
+    log = open(log_path, "a") if log_path else None
+    try:
+        for i, prompt in enumerate(prompts):
+            record = {"source": prompt.source, "record_id": prompt.record_id, "prompt_tokens": len(prompt.input_ids), "methods": {}}
+            for method in methods:
+                bar.set_postfix_str(f"{prompt.source}/{prompt.record_id} {method}")
+                g = run_method(method, target, prompt, settings, proposer=proposer, stop_token_ids=stop_token_ids, seed=settings.seed + i)
+                record["methods"][method] = {
+                    "tokens": g.tokens,
+                    "prefill_s": g.prefill_s,
+                    "decode_s": g.decode_s,
+                    "acceptance_lengths": g.acceptance_lengths,
+                    "draft_s": sum(g.draft_s),
+                    "verify_s": sum(g.verify_s),
+                    "bookkeeping_s": sum(g.bookkeeping_s),
+                    "stopped": g.stopped,
+                }
+                bar.update()
+            records.append(record)
+            if log:
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+    finally:
+        bar.close()
+        if log:
+            log.close()
+    return records
+
+
+def method_summary(records, method, *, greedy: bool, block_size: int | None = None) -> dict:
+    runs = [r["methods"][method] for r in records]
+    rounds = [a for run in runs for a in run["acceptance_lengths"]]
+    decode_tokens, decode_s = sum(rounds), sum(run["decode_s"] for run in runs)
+    summary = {
+        "prompts": len(runs),
+        "new_tokens": sum(len(run["tokens"]) for run in runs),
+        "decode_tokens": decode_tokens,
+        "decode_s": decode_s,
+        "prefill_s": sum(run["prefill_s"] for run in runs),
+        "rounds": len(rounds),
+        "tau": decode_tokens / len(rounds) if rounds else None,
+        "tokens_per_s": decode_tokens / decode_s if decode_s > 0 else None,
+        "speedup": None,
+        "lossless": None,
+    }
+    if "plain" in records[0]["methods"]:
+        plain = method_summary(records, "plain", greedy=greedy) if method != "plain" else summary
+        if summary["tokens_per_s"] and plain["tokens_per_s"]:
+            summary["speedup"] = summary["tokens_per_s"] / plain["tokens_per_s"]
+        if greedy:
+            same = [r["methods"][method]["tokens"] == r["methods"]["plain"]["tokens"] for r in records]
+            summary["lossless"] = all(same)
+            summary["mismatched_prompts"] = [f"{r['source']}/{r['record_id']}" for r, ok in zip(records, same) if not ok]
+    if method == "dflash":
+        counts = Counter(rounds)
+        summary["acceptance_histogram"] = {str(k): counts.get(k, 0) for k in range(1, (block_size or max(rounds, default=1)) + 1)}
+        n = max(len(rounds), 1)
+        summary["round_ms"] = {part: 1000 * sum(run[f"{part}_s"] for run in runs) / n for part in ("draft", "verify", "bookkeeping")}
+    return summary
+
+
+def summarize(records, methods, *, greedy: bool, block_size: int | None) -> dict:
+    out = {}
+    for method in methods:
+        out[method] = method_summary(records, method, greedy=greedy, block_size=block_size)
+        out[method]["by_source"] = {
+            source: method_summary([r for r in records if r["source"] == source], method, greedy=greedy, block_size=block_size)
+            for source in dict.fromkeys(r["source"] for r in records)
+        }
+    return out
+
+
+def environment() -> dict:
+    import transformers
+
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }

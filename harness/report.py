@@ -1,0 +1,89 @@
+"""report.json and report.md: settings, per-method tau / throughput / speedup / losslessness, per
+prompt-set breakdown, DFlash acceptance histogram and round-time split."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+TIMING_NOTE = (
+    "Decode time excludes the prefill (the prompt forward that emits the first token; for prompt lookup, "
+    "generate's first forward, which also verifies its first candidates) for every method. tau = tokens "
+    "committed per target forward after the prefill. speedup = decode tokens/s over plain decoding's on the "
+    "same prompts (with greedy, identical outputs: plain decode wall time / method decode wall time). "
+    "plain and dflash run the same harness loop (plain = block size 1, no drafter); prompt lookup runs "
+    "transformers generate."
+)
+
+
+def _fmt(value, spec=".2f") -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    return format(value, spec)
+
+
+def methods_table(methods: dict) -> str:
+    lines = ["| method | tau | tokens/s | speedup | lossless | decode tokens | decode s |", "|---|---|---|---|---|---|---|"]
+    for name, m in methods.items():
+        lines.append(
+            f"| {name} | {_fmt(m['tau'])} | {_fmt(m['tokens_per_s'])} | {_fmt(m['speedup'])}x | {_fmt(m['lossless'])} "
+            f"| {m['decode_tokens']} | {_fmt(m['decode_s'])} |"
+        )
+    return "\n".join(lines)
+
+
+def render_markdown(report: dict) -> str:
+    s, methods = report["settings"], report["methods"]
+    out = ["# DFlash evaluation", ""]
+    if s["untrained_drafter"]:
+        out += [f"> **WARNING: {report['warning']}**", ""]
+    out += [
+        f"- target: `{s['target']}`; drafter: `{s['drafter']}`" + (" (UNTRAINED, random)" if s["untrained_drafter"] else ""),
+        f"- prompts: {', '.join(f'{k} ({v})' for k, v in s['prompt_counts'].items())}; split {s['split']}, limit {s['limit']} per source",
+        f"- max_new_tokens {s['max_new_tokens']}, temperature {s['temperature']}, top_p {s['top_p']}, top_k {s['top_k']}, "
+        f"block size {s['block_size']}, prompt lookup {s['prompt_lookup_num_tokens']} tokens",
+        f"- device {s['device']} ({s['dtype']}), torch {s['torch']}, transformers {s['transformers']}, "
+        f"{s['torch_threads']} threads, {s['date']}",
+        "",
+        methods_table(methods),
+        "",
+        f"Timing: {TIMING_NOTE}",
+        "",
+    ]
+    sources = list(next(iter(methods.values()))["by_source"])
+    for source in sources:
+        out += [f"## {source}", "", methods_table({name: m["by_source"][source] for name, m in methods.items()}), ""]
+    if "dflash" in methods:
+        d = methods["dflash"]
+        hist = d["acceptance_histogram"]
+        total = max(sum(hist.values()), 1)
+        out += [
+            "## DFlash rounds",
+            "",
+            "Acceptance length (tokens committed per round) histogram:",
+            "",
+            "| " + " | ".join(hist) + " |",
+            "|" + "---|" * len(hist),
+            "| " + " | ".join(f"{c} ({100 * c / total:.0f}%)" for c in hist.values()) + " |",
+            "",
+            "Mean round time: " + ", ".join(f"{k} {v:.2f} ms" for k, v in d["round_ms"].items())
+            + f" (total {sum(d['round_ms'].values()):.2f} ms over {d['rounds']} rounds)",
+            "",
+        ]
+    bad = {name: m.get("mismatched_prompts") for name, m in methods.items() if m.get("lossless") is False}
+    if bad:
+        out += ["## NOT LOSSLESS", "", *[f"- {name}: {', '.join(p)}" for name, p in bad.items()], ""]
+    return "\n".join(out)
+
+
+def write_report(report: dict, out_dir) -> tuple[Path, Path]:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = out_dir / "report.json", out_dir / "report.md"
+    for path, text in zip(paths, (json.dumps(report, indent=2) + "\n", render_markdown(report) + "\n")):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+    return paths

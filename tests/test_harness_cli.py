@@ -1,0 +1,116 @@
+"""The evaluation entry point: Hydra config -> report.json / report.md with every method, on a
+tiny Llama target saved in a tmp folder with a byte-level BPE tokenizer trained in code."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from harness.__main__ import run
+from tests.test_speculative import one_thread, tiny_drafter, tiny_target  # noqa: F401 (one_thread: autouse fixture)
+
+ROOT = Path(__file__).resolve().parents[1]
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-target")
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    bpe.train_from_iterator(["def solution(x):\n    return x + 1\n", "Write a story about a user and an assistant."] * 50, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHATML)
+    model = tiny_target("llama", vocab=320)  # spare rows past the tokenizer: the mask token lands on one
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def overrides(target_dir, out_dir, *extra):
+    return [
+        f"model.target={target_dir}", "model.dtype=float32", "model.drafter.num_layers=1", "model.drafter.block_size=4",
+        "device=cpu", f"run_dir={out_dir}", "eval.limit=2", "eval.max_new_tokens=12", "eval.num_threads=1", *extra,
+    ]
+
+
+def compose_config(over):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        return compose(config_name="config", overrides=over)
+
+
+def test_quick_eval_writes_reports(target_dir, tmp_path, capsys):
+    report = run(compose_config(overrides(target_dir, tmp_path)))
+    out = tmp_path / "eval"
+    saved = json.loads((out / "report.json").read_text())
+    assert saved["methods"].keys() == {"plain", "prompt_lookup", "dflash"}
+    s = saved["settings"]
+    assert s["untrained_drafter"] is True and "UNTRAINED" in saved["warning"]
+    assert s["prompt_counts"] == {"humaneval": 2, "mtbench": 2} and s["split"] == "heldout"
+    assert s["max_new_tokens"] == 12 and s["temperature"] == 0.0 and s["block_size"] == 4
+    for key in ("torch", "transformers", "date", "device", "target", "drafter", "prompt_sources"):
+        assert key in s
+    for name, m in saved["methods"].items():
+        assert m["lossless"] is True, name
+        assert m["tokens_per_s"] > 0 and m["speedup"] > 0 and m["tau"] >= 1.0
+        assert m["by_source"].keys() == {"humaneval", "mtbench"}
+    assert saved["methods"]["plain"]["tau"] == 1.0 and saved["methods"]["plain"]["speedup"] == 1.0
+    d = saved["methods"]["dflash"]
+    assert list(d["acceptance_histogram"]) == ["1", "2", "3", "4"]
+    assert sum(d["acceptance_histogram"].values()) == d["rounds"] > 0
+    assert d["round_ms"].keys() == {"draft", "verify", "bookkeeping"} and all(v > 0 for v in d["round_ms"].values())
+    assert len((out / "runs.jsonl").read_text().splitlines()) == 4
+    md = (out / "report.md").read_text()
+    assert "UNTRAINED" in md and "| dflash |" in md and "prefill" in md
+    printed = capsys.readouterr().out
+    assert "| prompt_lookup |" in printed and "UNTRAINED" in printed
+    assert report["methods"]["dflash"]["decode_tokens"] == saved["methods"]["dflash"]["decode_tokens"]
+
+
+def test_trained_drafter_is_loaded_and_sampling_runs(target_dir, tmp_path):
+    drafter = tiny_drafter(tiny_target("llama", vocab=320), block_size=8, mask_token_id=310, layers=1)
+    drafter.save_pretrained(tmp_path / "drafter")
+    cfg = compose_config(overrides(target_dir, tmp_path, f"eval.drafter={tmp_path / 'drafter'}", "eval.allow_untrained=false",
+                                   "eval.temperature=0.8", "eval.top_k=20", "eval.methods=[plain,dflash]", "eval.prompts=mtbench"))
+    report = run(cfg)
+    s = report["settings"]
+    assert s["untrained_drafter"] is False and s["drafter"] == str(tmp_path / "drafter") and s["block_size"] == 8
+    assert report["methods"].keys() == {"plain", "dflash"} and report["methods"]["dflash"]["lossless"] is None
+    assert "warning" not in report
+
+
+def test_missing_drafter_is_an_error_unless_allowed(target_dir, tmp_path):
+    cfg = compose_config(overrides(target_dir, tmp_path, f"eval.drafter={tmp_path / 'none'}", "eval.allow_untrained=false"))
+    with pytest.raises(FileNotFoundError, match="no drafter at"):
+        run(cfg)
+
+
+def test_full_config_composes():
+    cfg = compose_config(["eval=full"])
+    assert cfg.eval.name == "full" and cfg.eval.limit is None and cfg.eval.allow_untrained is False
+    assert list(cfg.eval.methods) == ["plain", "prompt_lookup", "dflash"]
+
+
+def test_python_dash_m_harness(target_dir, tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "RAY_AUTH_MODE": "disabled"}
+    cmd = [sys.executable, "-m", "harness", *overrides(target_dir, tmp_path, "eval.limit=1", "eval.methods=[plain,dflash]")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| dflash |" in proc.stdout and "UNTRAINED" in proc.stderr
+    report = json.loads((tmp_path / "eval" / "report.json").read_text())
+    assert report["methods"]["dflash"]["lossless"] is True

@@ -1,0 +1,279 @@
+"""Speculative decoding: greedy output equals plain decoding token for token, the commit logic
+(acceptance, EOS, max_new_tokens, shrinking last block) is exact, and the loop matches the reference
+`dflash.model.dflash_generate` on the same drafter. Tiny Llama and Qwen3 targets built in code."""
+
+import time
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from flashdraft.model import DFlashDrafter, make_draft_config
+from flashdraft.target import frozen_head_from_model
+from harness.prompt_lookup import prompt_lookup_generate
+from harness.speculative import DrafterProposer, speculative_generate
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")  # the reference's own calls
+
+ARCHS = ("llama", "qwen3")
+VOCAB = 64
+MASK = VOCAB - 1
+
+
+def tiny_target(arch: str, vocab: int = VOCAB, layers: int = 6, hidden: int = 64, seed: int = 0):
+    torch.manual_seed(seed)
+    kw = dict(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    )
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**kw))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=hidden // 4, **kw))
+    return model.eval().requires_grad_(False)
+
+
+def tiny_drafter(target, block_size: int = 16, mask_token_id: int = MASK, layers: int = 2, seed: int = 1) -> DFlashDrafter:
+    torch.manual_seed(seed)
+    config = make_draft_config(target.config, mask_token_id=mask_token_id, num_draft_layers=layers, block_size=block_size)
+    return DFlashDrafter(config).eval().requires_grad_(False)
+
+
+def make_agreeing(target, drafter, favourite: int, mask_token_id: int = MASK) -> None:
+    """Make an untrained drafter agree with the target sometimes: the mask token's embedding points at
+    the output-head row of the token the target's greedy loops settle on, and the drafter's residual
+    branches are scaled up so that the context still changes some drafts."""
+    with torch.no_grad():
+        target.get_input_embeddings().weight[mask_token_id] = target.lm_head.weight[favourite]
+        for layer in drafter.layers:
+            layer.self_attn.o_proj.weight.mul_(3.0)
+            layer.mlp.down_proj.weight.mul_(3.0)
+
+
+def random_prompts(count: int, seed: int = 0, vocab: int = VOCAB) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab - 2, (1, int(torch.randint(3, 20, (1,), generator=g))), generator=g) for _ in range(count)]
+
+
+def favourite_token(target, prompts, max_new_tokens: int = 32) -> int:
+    tails = [t for p in prompts for t in speculative_generate(target, p, max_new_tokens=max_new_tokens).tokens[-8:]]
+    return max(set(tails), key=tails.count)
+
+
+class OracleProposer:
+    """Proposes the plain greedy continuation, wrong exactly at the generated-token indices `wrong`."""
+
+    layer_ids = None
+    mask_token_id = MASK
+
+    def __init__(self, plain: list[int], num_prompt_tokens: int, block_size: int, wrong=(), vocab: int = VOCAB):
+        self.plain, self.n, self.block_size, self.wrong, self.vocab = plain, num_prompt_tokens, block_size, set(wrong), vocab
+        self.blocks = []
+
+    def start(self):
+        self.blocks = []
+
+    def __call__(self, block, context, start):
+        assert context is None and block[0, 1:].eq(MASK).all()
+        size = block.shape[1]
+        self.blocks.append((start, size))
+        logits = torch.zeros(size - 1, self.vocab)
+        for k in range(1, size):
+            i = start + k - self.n  # index among generated tokens
+            token = self.plain[i] if i < len(self.plain) else 0
+            logits[k - 1, (token + 1) % self.vocab if i in self.wrong else token] = 1.0
+        return logits
+
+
+def expected_rounds(num_tokens: int, block_size: int, wrong=()) -> list[int]:
+    """Committed tokens per round when drafts are right except at `wrong` (generated-token indices)."""
+    j, rounds = 0, []
+    while j + 1 < num_tokens:
+        size = min(block_size, num_tokens - j)
+        accepted = 0
+        while accepted < size - 1 and j + accepted + 1 not in wrong:
+            accepted += 1
+        rounds.append(min(accepted + 1, num_tokens - 1 - j))
+        j += rounds[-1]
+    return rounds
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread; two threads thrash when other jobs share the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def setup(request):
+    target = tiny_target(request.param)
+    prompts = random_prompts(20)
+    favourite = favourite_token(target, prompts)
+    drafter = tiny_drafter(target, block_size=16)
+    make_agreeing(target, drafter, favourite)
+    plain = [speculative_generate(target, p, max_new_tokens=32).tokens for p in prompts]  # after the change
+    return target, drafter, prompts, plain
+
+
+def test_plain_decoding_equals_transformers_generate(setup):
+    target, _, prompts, _ = setup
+    for p in prompts[:4]:
+        ours = speculative_generate(target, p, max_new_tokens=24)
+        ref = target.generate(p, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert ours.tokens == ref[0, p.shape[1] :].tolist()
+        assert ours.acceptance_lengths == [1] * 23 and ours.tau == 1.0
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 8, 16])
+def test_greedy_lossless_with_drafter(setup, block_size):
+    target, drafter, prompts, plain = setup
+    proposer = DrafterProposer(drafter, frozen_head_from_model(target))
+    accepted = []
+    for p, expected in zip(prompts, plain):
+        spec = speculative_generate(target, p, max_new_tokens=32, proposer=proposer, block_size=block_size)
+        assert spec.tokens == expected
+        assert sum(spec.acceptance_lengths) == len(spec.tokens) - 1
+        assert max(spec.acceptance_lengths) <= block_size
+        if block_size > 1:  # the drafter cache holds the context K/V of the tokens verified before the last round
+            assert proposer.cache.length == p.shape[1] + sum(spec.acceptance_lengths[:-1])
+        accepted += spec.acceptance_lengths
+    if block_size == 1:
+        assert set(accepted) == {1}
+    else:  # the agreeing drafter gets runs accepted: the test covers multi-token commits
+        assert max(accepted) == block_size if block_size == 2 else max(accepted) > 2
+
+
+@pytest.mark.parametrize("block_size", [2, 5, 8, 16])
+def test_commit_logic_with_oracle_drafts(block_size):
+    target = tiny_target("qwen3", seed=3)
+    for p, wrong in zip(random_prompts(4, seed=5), [(), (1, 2, 9), (4, 5, 6, 20), tuple(range(1, 40, 3))]):
+        plain = speculative_generate(target, p, max_new_tokens=40).tokens
+        oracle = OracleProposer(plain, p.shape[1], block_size, wrong)
+        spec = speculative_generate(target, p, max_new_tokens=40, proposer=oracle)
+        assert spec.tokens == plain
+        assert spec.acceptance_lengths == expected_rounds(40, block_size, wrong)
+        # each block starts at the newest committed token and the last one shrinks to end at max_new_tokens
+        starts = [p.shape[1] + sum(spec.acceptance_lengths[:i]) for i in range(len(spec.acceptance_lengths))]
+        assert [s for s, _ in oracle.blocks] == starts
+        assert [size for _, size in oracle.blocks] == [min(block_size, p.shape[1] + 40 - s) for s in starts]
+    assert spec.tau > 1.0
+
+
+def test_tau_reaches_block_size_with_perfect_drafts():
+    target = tiny_target("llama", seed=4)
+    p = random_prompts(1, seed=9)[0]
+    plain = speculative_generate(target, p, max_new_tokens=49).tokens
+    spec = speculative_generate(target, p, max_new_tokens=49, proposer=OracleProposer(plain, p.shape[1], 16))
+    assert spec.tokens == plain and spec.acceptance_lengths == [16, 16, 16]
+    assert len(spec.draft_s) == len(spec.verify_s) == len(spec.bookkeeping_s) == 3
+    assert spec.decode_s >= sum(spec.draft_s) + sum(spec.verify_s) + sum(spec.bookkeeping_s) > 0
+    assert spec.tau == 16.0 and spec.decode_tokens == 48
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 7, 13, 17])
+def test_max_new_tokens_inside_a_block(max_new_tokens):
+    target = tiny_target("llama", seed=2)
+    p = random_prompts(1, seed=7)[0]
+    plain = speculative_generate(target, p, max_new_tokens=40).tokens
+    spec = speculative_generate(target, p, max_new_tokens=max_new_tokens, proposer=OracleProposer(plain, p.shape[1], 8))
+    assert spec.tokens == plain[:max_new_tokens]
+    assert spec.acceptance_lengths == expected_rounds(max_new_tokens, 8)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_eos_inside_a_block_ends_generation_after_it(arch):
+    target = tiny_target(arch, seed=6)
+    for p in random_prompts(6, seed=11):
+        plain = speculative_generate(target, p, max_new_tokens=40).tokens
+        eos = plain[min(5, len(set(plain)) - 1)]
+        cut = plain.index(eos) + 1
+        stopped_plain = speculative_generate(target, p, max_new_tokens=40, stop_token_ids=[eos])
+        assert stopped_plain.tokens == plain[:cut] and stopped_plain.stopped
+        for wrong in [(), (cut - 1,), (cut,)]:  # EOS accepted as a draft, EOS as the bonus, EOS then garbage
+            oracle = OracleProposer(plain, p.shape[1], 16, wrong)
+            spec = speculative_generate(target, p, max_new_tokens=40, proposer=oracle, stop_token_ids=[eos, VOCAB + 5])
+            assert spec.tokens == plain[:cut] and spec.stopped
+            assert sum(spec.acceptance_lengths) == cut - 1
+    first = speculative_generate(target, p, max_new_tokens=40, stop_token_ids=[plain[0]], proposer=OracleProposer(plain, p.shape[1], 8))
+    assert first.tokens == plain[:1] and first.acceptance_lengths == [] and first.stopped
+
+
+def test_drafter_eos_matches_plain(setup):
+    target, drafter, prompts, plain_outputs = setup
+    proposer = DrafterProposer(drafter, frozen_head_from_model(target))
+    for p, plain in zip(prompts[:8], plain_outputs):
+        eos = [plain[len(plain) // 3], plain[-1]]
+        a = speculative_generate(target, p, max_new_tokens=32, stop_token_ids=eos)
+        b = speculative_generate(target, p, max_new_tokens=32, stop_token_ids=eos, proposer=proposer)
+        assert a.tokens == b.tokens and a.tokens[-1] in eos
+
+
+def test_prompt_lookup_baseline_matches_plain():
+    target = tiny_target("llama", seed=5)
+    repetitive = torch.tensor([[5, 6, 7, 8, 9] * 3])  # lookup finds its n-grams: multi-token rounds
+    for p in random_prompts(4, seed=13) + [repetitive]:
+        plain = speculative_generate(target, p, max_new_tokens=40).tokens
+        pld = prompt_lookup_generate(target, p, max_new_tokens=40)
+        assert pld.tokens == plain
+        assert pld.decode_tokens + 1 <= len(plain) and all(a >= 1 for a in pld.acceptance_lengths)
+        eos = plain[12]
+        stopped = prompt_lookup_generate(target, p, max_new_tokens=40, stop_token_ids=[eos])
+        assert stopped.tokens == plain[: plain.index(eos) + 1] and stopped.stopped
+    assert pld.tau > 2  # the repetitive prompt
+
+
+def test_bad_arguments_are_named():
+    target = tiny_target("llama")
+    with pytest.raises(ValueError, match="needs a proposer"):
+        speculative_generate(target, [1, 2, 3], max_new_tokens=4, block_size=4)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        speculative_generate(target, [1, 2, 3], max_new_tokens=0)
+    with pytest.raises(ValueError, match="top_p"):
+        speculative_generate(target, [1, 2, 3], max_new_tokens=4, temperature=1.0, top_p=0.0)
+
+
+# --- fidelity to the reference implementation --------------------------------------------------
+
+
+@pytest.fixture
+def reference(monkeypatch):
+    dflash_model = pytest.importorskip("dflash.model")
+    monkeypatch.setattr(dflash_model, "_cuda_time", time.perf_counter)  # it calls torch.cuda.synchronize
+    return dflash_model
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_matches_reference_dflash_generate(setup, reference, tmp_path, block_size):
+    target, drafter, prompts, plain_outputs = setup
+    drafter.save_pretrained(tmp_path / "drafter")
+    ref_drafter = reference.DFlashDraftModel.from_pretrained(tmp_path / "drafter").eval()
+    proposer = DrafterProposer(drafter, frozen_head_from_model(target))
+    histogram = set()
+    for i, (p, plain) in enumerate(zip(prompts[:10], plain_outputs)):
+        stop = [plain[20]] if i % 2 else None  # half of them stop on a token the target emits
+        ref = reference.dflash_generate(ref_drafter, target, p, 40, stop, block_size=block_size, return_stats=True)
+        ours = speculative_generate(target, p, max_new_tokens=40, proposer=proposer, stop_token_ids=stop or (), block_size=block_size)
+        assert ours.tokens == ref.output_ids[0, p.shape[1] :].tolist()
+        assert ours.acceptance_lengths == ref.acceptance_lengths
+        histogram.update(ours.acceptance_lengths)
+    assert len(histogram) >= 2 and max(histogram) > 2  # the comparison covers multi-token commits
+
+
+@pytest.mark.parametrize("top_p,top_k", [(1.0, 0), (0.9, 20)])
+def test_sampling_matches_reference_with_the_same_seed(setup, reference, tmp_path, top_p, top_k):
+    """With the global RNG seeded alike, the reference's rejection sampling and ours draw the same
+    random numbers in the same order, so the sampled outputs agree token for token."""
+    target, drafter, prompts, _ = setup
+    drafter.save_pretrained(tmp_path / "drafter")
+    ref_drafter = reference.DFlashDraftModel.from_pretrained(tmp_path / "drafter").eval()
+    proposer = DrafterProposer(drafter, frozen_head_from_model(target))
+    for seed, p in enumerate(prompts[:6]):
+        torch.manual_seed(seed)
+        ref = reference.dflash_generate(ref_drafter, target, p, 32, None, 0.8, top_p, top_k, block_size=8, return_stats=True)
+        torch.manual_seed(seed)
+        ours = speculative_generate(target, p, max_new_tokens=32, proposer=proposer, temperature=0.8, top_p=top_p, top_k=top_k, block_size=8)
+        assert ours.tokens == ref.output_ids[0, p.shape[1] :].tolist()
+        assert ours.acceptance_lengths == ref.acceptance_lengths

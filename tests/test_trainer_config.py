@@ -1,0 +1,39 @@
+"""The Hydra configs compose into a TrainConfig: cpu (default) and paper profiles, overrides, sweeps."""
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from trainer.__main__ import train_config
+
+CONF = str(Path(__file__).resolve().parents[1] / "conf")
+
+
+def composed(*overrides):
+    with initialize_config_dir(config_dir=CONF, version_base=None):
+        return compose(config_name="config", overrides=["~eval", *overrides])
+
+
+def test_cpu_profile_is_the_default_and_follows_the_model():
+    tc = train_config(composed())
+    assert tc.stores == ["runs/smollm2-135m/features"] and tc.drafter_dir == "runs/smollm2-135m/drafter"
+    assert tc.target == "smollm2-135m" and tc.block_size == 16 and tc.num_draft_layers == 5
+    assert tc.dtype == "float32" and tc.attention == "dense" and tc.wandb_mode == "offline"
+    assert tc.compile == "false"
+
+
+def test_paper_profile_holds_the_recipe_and_knobs_override():
+    tc = train_config(composed("train=paper", "model=qwen3-8b"))
+    assert (tc.epochs, tc.lr, tc.warmup_ratio, tc.grad_clip, tc.num_anchors, tc.max_length) == (6, 6e-4, 0.04, 1.0, 512, 3072)
+    assert (tc.dtype, tc.zero_stage, tc.attention) == ("bfloat16", 2, "flex")
+    assert tc.target == "Qwen/Qwen3-8B"
+    tc = train_config(composed("train.block_size=8", "train.gamma=4", "train.layer_ids=[1,9,17]",
+                               "train.stores=[a,b]", "train.lr=3e-4"))
+    assert (tc.block_size, tc.gamma, tc.layer_ids, tc.stores, tc.lr) == (8, 4, [1, 9, 17], ["a", "b"], 3e-4)
+
+
+def test_sweep_jobs_train_into_their_own_directories():
+    tc = train_config(composed("train.block_size=8"), sweep_subdir="train.block_size=8")
+    assert tc.out_dir == "runs/smollm2-135m/train/train.block_size=8"
+    assert tc.drafter_dir == "runs/smollm2-135m/train/train.block_size=8/drafter"

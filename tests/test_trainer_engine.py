@@ -1,0 +1,121 @@
+"""The DeepSpeed trainer end to end on CPU (gloo): 2 ranks == 1 rank, kill + resume, NaN stop,
+manifest checks, and the exported drafter in the published format."""
+
+import json
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flashdraft.model import DFlashDrafter
+from tests.test_trainer_fixtures import metrics, run_training, tiny_store, tiny_target, train_kwargs
+from trainer.store_check import StoreMismatch
+from trainer.train import TrainConfig, train
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("trainer")
+    target = tiny_target(tmp / "target")
+    store = tiny_store(tmp / "store", target, n=40)
+    return tmp, target, store
+
+
+def weights(folder):
+    return load_file(str(folder / "model.safetensors"))
+
+
+def test_two_ranks_reach_the_parameters_of_one_rank_with_the_same_global_batch(setup, tmp_path):
+    _, target, store = setup
+    common = dict(epochs=1, max_steps=3, checkpoint_every=0, eval_every=0, zero_stage=2)
+    run_training(tmp_path / "one", train_kwargs(tmp_path / "one", store.path, target, grad_accum=2, **common))
+    run_training(tmp_path / "two", train_kwargs(tmp_path / "two", store.path, target, grad_accum=1, **common), nproc=2)
+    one, two = metrics(tmp_path / "one" / "run"), metrics(tmp_path / "two" / "run")
+    assert [m["step"] for m in one] == [m["step"] for m in two] == [1, 2, 3]
+    np.testing.assert_allclose([m["loss"] for m in one], [m["loss"] for m in two], rtol=1e-5)
+    w1, w2 = weights(tmp_path / "one" / "drafter"), weights(tmp_path / "two" / "drafter")
+    for k in w1:
+        torch.testing.assert_close(w1[k], w2[k], atol=2e-6, rtol=1e-4, msg=f"{k} differs between 1 and 2 ranks")
+    assert one[-1]["grad_norm"] > 0
+
+
+def test_kill_during_training_then_resume_repeats_the_uninterrupted_run(setup, tmp_path):
+    _, target, store = setup
+    common = dict(epochs=3, checkpoint_every=3, eval_every=0, zero_stage=1)
+    ref = tmp_path / "ref"
+    run_training(ref, train_kwargs(ref, store.path, target, **common))
+    full = metrics(ref / "run")
+
+    crash = tmp_path / "crash"
+    kw = train_kwargs(crash, store.path, target, **common)
+    proc = run_training(crash, kw, wait=False)
+    log = crash / "run" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if log.is_file() and len(log.read_text().splitlines()) >= 5:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.01)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    killed_at = len(metrics(crash / "run"))
+    assert killed_at < len(full)
+    assert (crash / "run" / "checkpoints" / "latest").is_file()
+
+    out = run_training(crash, kw)
+    assert "resumed from" in out.stdout
+    resumed = metrics(crash / "run")
+    assert [m["step"] for m in resumed] == [m["step"] for m in full]
+    np.testing.assert_allclose([m["loss"] for m in resumed], [m["loss"] for m in full], rtol=1e-6)
+    np.testing.assert_allclose([m["lr"] for m in resumed], [m["lr"] for m in full], rtol=1e-9)
+    w_ref, w_res = weights(ref / "drafter"), weights(crash / "drafter")
+    for k in w_ref:
+        torch.testing.assert_close(w_res[k], w_ref[k], atol=1e-6, rtol=1e-5)
+
+    # the export is the published format: our loader and the reference package read it alike
+    from dflash.model import DFlashDraftModel
+
+    ours = DFlashDrafter.from_pretrained(crash / "drafter")
+    theirs = DFlashDraftModel.from_pretrained(str(crash / "drafter"))
+    assert ours.mask_token_id == theirs.mask_token_id == 63 and ours.target_layer_ids == [1, 3]
+    for k, v in theirs.state_dict().items():
+        torch.testing.assert_close(v, ours.state_dict()[k])
+    ckpts = sorted(p.name for p in (crash / "run" / "checkpoints").glob("step-*"))
+    assert len(ckpts) == 3 and all((crash / "run" / "checkpoints" / c / "drafter" / "config.json").is_file() for c in ckpts)
+
+
+def test_nan_loss_stops_with_a_clear_message(setup, tmp_path):
+    _, target, _ = setup
+    bad = tiny_store(tmp_path / "bad", target, n=12)
+    # a corrupt store (written around the store's own finiteness check): Inf features -> NaN loss
+    import zarr
+
+    arr = zarr.open_array(str(tmp_path / "bad" / "shards" / "shard-00000" / "layer_01"), mode="r+")
+    arr[:] = np.full(arr.shape, np.inf, dtype=np.float32)
+    proc = run_training(tmp_path, train_kwargs(tmp_path, bad.path, target, checkpoint_every=0), wait=False)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert "TrainingDiverged" in out and "loss is nan" in out and "no checkpoint yet" in out
+    assert not (tmp_path / "run" / "checkpoints" / "latest").exists()
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(layers=[1, 4]), r"target layers \[3\] are not in the store"),
+        (dict(extra={"mask_token_id": 5}), r"mask token 5 != the drafter's 63"),
+        (dict(extra={"vocab_size": 1000}), r"vocabulary size 1000 != the target's 64"),
+        (dict(extra={"target": {"name": "other", "config_sha256": "ab" * 32}}), r"config_sha256 differs"),
+    ],
+)
+def test_manifest_mismatch_names_the_field(setup, tmp_path, monkeypatch, change, message):
+    _, target, _ = setup
+    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29555").items():
+        monkeypatch.setenv(k, v)
+    store = tiny_store(tmp_path / "s", target, n=4, **change)
+    kw = train_kwargs(tmp_path, store.path, target, mask_token_id=63)
+    with pytest.raises(StoreMismatch, match=message):
+        train(TrainConfig(**kw))

@@ -1,0 +1,95 @@
+"""Shared builders for the trainer tests: a tiny real target folder and small real feature stores."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from flashdraft.store import write_store
+from flashdraft.target import target_fingerprint
+
+H, VOCAB, MASK = 64, 64, 63
+STORE_LAYERS = [1, 3, 4]
+
+
+def tiny_target(folder: Path) -> Path:
+    if not (folder / "config.json").is_file():
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=H, intermediate_size=128, num_hidden_layers=6,
+                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+        LlamaForCausalLM(cfg).save_pretrained(folder)
+    return folder
+
+
+def tiny_store(path: Path, target: Path, n: int = 24, seed: int = 0, *, lengths=(24, 48), layers=STORE_LAYERS, extra=None):
+    """Random sequences: a prompt (loss_mask False) then a response whose tokens follow a simple
+    rule (next = prev + 1 mod 60), so a drafter can learn something in a few steps."""
+    rng = np.random.default_rng(seed)
+    seqs = []
+    for i in range(n):
+        s = int(rng.integers(*lengths))
+        start = int(rng.integers(0, 60))
+        ids = (start + np.arange(s)) % 60
+        p = int(rng.integers(3, 8))
+        ids[:p] = rng.integers(0, 60, p)
+        mask = np.zeros(s, bool)
+        mask[p:] = True
+        feats = torch.randn(s, len(layers) * H) * 0.5
+        feats[:, :H] += torch.nn.functional.one_hot(torch.as_tensor(ids), H).float() * 3  # the token is visible in the features
+        seqs.append({"seq_id": f"seq{seed}-{i}", "input_ids": ids, "loss_mask": mask, "features": feats})
+    manifest = {"target": target_fingerprint(str(target)), "vocab_size": VOCAB, "mask_token_id": MASK, **(extra or {})}
+    return write_store(path, seqs, layer_ids=layers, hidden_size=H, dtype="float32", manifest_extra=manifest)
+
+
+def train_kwargs(tmp: Path, store, target, **over) -> dict:
+    kw = dict(stores=[str(store)], out_dir=str(tmp / "run"), drafter_dir=str(tmp / "drafter"), target=str(target),
+              layer_ids=[1, 3], num_target_features=2, num_draft_layers=2, block_size=4, num_anchors=6,
+              max_length=64, token_budget=400, epochs=2, zero_stage=2, dtype="float32", device="cpu",
+              attention="dense", compile="false", ce_chunk=64, checkpoint_every=4, eval_every=4, eval_batches=2,
+              heldout_fraction=0.15, wandb_mode="disabled", progress=False, loader_workers=2, prefetch=2)
+    kw.update(over)
+    return kw
+
+
+RUNNER = textwrap.dedent("""
+    import json, sys
+    from trainer.train import TrainConfig, train
+    out = train(TrainConfig(**json.load(open(sys.argv[1]))))
+    print("RESULT " + json.dumps(out))
+""")
+
+
+def run_training(tmp: Path, kwargs: dict, nproc: int = 1, timeout: int = 240, env=None, wait=True):
+    """Train in fresh processes (plain python for 1, torchrun for several)."""
+    import os
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    cfg = tmp / "train.json"
+    cfg.write_text(json.dumps(kwargs))
+    script = tmp / "run_train.py"
+    script.write_text(RUNNER)
+    if nproc == 1:
+        cmd = [sys.executable, str(script), str(cfg)]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script), str(cfg)]
+    full_env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", **(env or {})}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        full_env.pop(k, None)
+    if not wait:
+        return subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def metrics(run_dir: Path, kind: str = "loss") -> list[dict]:
+    """Rows of metrics.jsonl that hold `kind` (training rows: "loss"; eval rows: "eval/loss")."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [r for r in rows if kind in r]

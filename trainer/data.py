@@ -1,0 +1,180 @@
+"""Training data: sequences from one or more feature stores, planned into micro-batches per rank.
+
+The plan of an epoch depends only on shared metadata (lengths, loss masks, seq ids) and
+(seed, epoch), so every rank computes the same plan and takes its own part of it:
+
+1. Skip sequences with no valid anchor, and held-out ones (a stable hash of the seq id).
+2. Shuffle, sort by cost inside windows of 64 x rows, and cut micro-batches whose padded cost
+   rows x (S_max + N_max * B) stays within the token budget; shuffle the micro-batches.
+3. Global step t, accumulation slot a, rank r reads micro-batch (t * accum + a) * world + r. The
+   list wraps around to fill the last step, so every rank runs the same number of steps, and one
+   rank with accum 2 sees exactly the micro-batches of two ranks with accum 1.
+
+A thread pool builds micro-batches ahead of the trainer (Zarr decompression releases the GIL).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from flashdraft.store import StoreReader
+from trainer.anchors import draw_anchors, stable_seed
+from trainer.batch import Batch, collate
+
+SORT_WINDOW = 64
+
+
+def is_heldout(seq_id: str, fraction: float) -> bool:
+    """Held-out part of a store for evaluation during training (salted apart from the prompt split)."""
+    if fraction <= 0:
+        return False
+    bucket = int(hashlib.sha256(("trainer-heldout:" + seq_id).encode()).hexdigest()[:8], 16) / 0x1_0000_0000
+    return bucket < fraction
+
+
+def valid_anchor_counts(reader: StoreReader, block_size: int, max_length: int) -> np.ndarray:
+    """Per sequence, how many anchors p <= S-B have loss_mask[p+1] (S truncated to max_length).
+
+    Reads each shard's loss mask once (one byte a token) instead of every sequence."""
+    counts = np.zeros(len(reader), dtype=np.int64)
+    start = 0
+    for shard in reader._shards:
+        offsets = shard.offsets
+        n = len(offsets) - 1
+        mask = np.asarray(reader._array(shard, "loss_mask")[:], dtype=np.int64)
+        csum = np.concatenate([[0], np.cumsum(mask)])
+        s = np.minimum(np.diff(offsets), max_length)
+        lo = offsets[:-1] + 1  # loss_mask[p+1] for p = 0 ..
+        hi = offsets[:-1] + s - block_size + 2  # .. p = S-B (exclusive end)
+        counts[start : start + n] = np.where(s >= block_size, csum[np.maximum(hi, lo)] - csum[lo], 0)
+        start += n
+    return counts
+
+
+@dataclass
+class Plan:
+    """One rank's micro-batches of an epoch: steps[t][a] is a list of global sequence indices."""
+
+    steps: list
+    num_microbatches: int
+    skipped: int
+
+
+class TrainingData:
+    def __init__(self, paths, *, layer_ids, block_size: int, num_anchors: int, max_length: int, mask_token_id: int,
+                 gamma: float, seed: int = 0, heldout_fraction: float = 0.0):
+        paths = [paths] if isinstance(paths, str) else list(paths)
+        if not paths:
+            raise ValueError("no feature store given")
+        self.readers = [StoreReader(p) for p in paths]
+        self.layer_ids = list(layer_ids)
+        self.block_size, self.num_anchors, self.max_length = block_size, num_anchors, max_length
+        self.mask_token_id, self.gamma, self.seed = mask_token_id, gamma, seed
+        self.store_of = np.concatenate([np.full(len(r), k, dtype=np.int32) for k, r in enumerate(self.readers)])
+        self.local = np.concatenate([np.arange(len(r)) for r in self.readers])
+        self.seq_ids = [s for r in self.readers for s in r.seq_ids]
+        self.lengths = np.minimum(np.concatenate([r.lengths for r in self.readers]), max_length)
+        self.valid_anchors = np.concatenate([valid_anchor_counts(r, block_size, max_length) for r in self.readers])
+        self.heldout = np.array([is_heldout(s, heldout_fraction) for s in self.seq_ids], dtype=bool)
+        self.cost = self.lengths + np.minimum(self.valid_anchors, num_anchors) * block_size
+
+    def __len__(self) -> int:
+        return len(self.seq_ids)
+
+    def plan(self, epoch: int, *, split: str = "train", token_budget: int, world_size: int = 1, rank: int = 0,
+             grad_accum: int = 1) -> Plan:
+        usable = (self.valid_anchors > 0) & (self.heldout if split == "heldout" else ~self.heldout)
+        ids = np.flatnonzero(usable)
+        skipped = int(((self.valid_anchors == 0) & (self.heldout if split == "heldout" else ~self.heldout)).sum())
+        if len(ids) == 0:
+            return Plan([], 0, skipped)
+        rng = np.random.default_rng(stable_seed("plan", self.seed, epoch, split))
+        ids = rng.permutation(ids)
+        microbatches = []
+        window = SORT_WINDOW * max(1, token_budget // max(int(np.median(self.cost[ids])), 1))
+        for w in range(0, len(ids), window):
+            chunk = ids[w : w + window]
+            chunk = chunk[np.argsort(self.cost[chunk], kind="stable")]
+            current, s_max, n_max = [], 0, 0
+            for i in chunk:
+                s, n = int(self.lengths[i]), min(int(self.valid_anchors[i]), self.num_anchors)
+                s2, n2 = max(s_max, s), max(n_max, n)
+                if current and (len(current) + 1) * (s2 + n2 * self.block_size) > token_budget:
+                    microbatches.append(current)
+                    current, s2, n2 = [], s, n
+                current.append(int(i))
+                s_max, n_max = s2, n2
+            if current:
+                microbatches.append(current)
+        microbatches = [microbatches[k] for k in rng.permutation(len(microbatches))]
+        per_step = world_size * grad_accum
+        num_steps = -(-len(microbatches) // per_step)
+        steps = [[microbatches[((t * grad_accum + a) * world_size + rank) % len(microbatches)] for a in range(grad_accum)]
+                 for t in range(num_steps)]
+        return Plan(steps, len(microbatches), skipped)
+
+    def read(self, i: int):
+        seq = self.readers[self.store_of[i]].read(int(self.local[i]), layers=self.layer_ids)
+        if len(seq.input_ids) > self.max_length:
+            m = self.max_length
+            seq.input_ids, seq.loss_mask, seq.features = seq.input_ids[:m], seq.loss_mask[:m], seq.features[:m]
+        return seq
+
+    def batch(self, indices, epoch: int) -> Batch:
+        samples = []
+        for i in indices:
+            seq = self.read(i)
+            a = draw_anchors(seq.loss_mask, self.block_size, self.num_anchors, seed=self.seed, epoch=epoch, seq_id=seq.seq_id)
+            samples.append((seq, a))
+        return collate(samples, self.block_size, self.mask_token_id, self.gamma)
+
+
+class Prefetcher:
+    """Iterates micro-batches in order while `workers` threads build the next `depth` ahead.
+
+    `wait_s` accumulates the time the consumer spent blocked on data."""
+
+    def __init__(self, data: TrainingData, microbatches, epoch: int, *, workers: int = 2, depth: int = 4, pin_memory: bool = False):
+        self.data, self.epoch, self.pin = data, epoch, pin_memory
+        self.todo = iter(microbatches)
+        self.pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="loader")
+        self.queue = deque()
+        self.depth = max(1, depth)
+        self.wait_s = 0.0
+        self._fill()
+
+    def _build(self, indices) -> Batch:
+        b = self.data.batch(indices, self.epoch)
+        return b.pin_memory() if self.pin else b
+
+    def _fill(self):
+        while len(self.queue) < self.depth:
+            nxt = next(self.todo, None)
+            if nxt is None:
+                return
+            self.queue.append(self.pool.submit(self._build, nxt))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Batch:
+        if not self.queue:
+            self.close()
+            raise StopIteration
+        t = time.perf_counter()
+        batch = self.queue.popleft().result()
+        self.wait_s += time.perf_counter() - t
+        self._fill()
+        return batch
+
+    def close(self):
+        for f in self.queue:
+            f.cancel()
+        self.queue.clear()
+        self.pool.shutdown(wait=True, cancel_futures=True)
