@@ -51,7 +51,7 @@ def run(cfg: DictConfig) -> dict:
             intermediate_size=m.drafter.intermediate_size, seed=cfg.seed,
         )
         proposer = DrafterProposer(drafter, frozen_head_from_model(target))
-        drafter_path = "untrained (random)" if untrained else str(e.drafter)
+        drafter_path = "UNTRAINED (random init)" if untrained else str(e.drafter)
         block_size = e.block_size or drafter.block_size
         if untrained:
             print(f"\n{'!' * 100}\n!!! {UNTRAINED_WARNING}\n{'!' * 100}\n", file=sys.stderr, flush=True)

@@ -24,9 +24,9 @@ from tqdm import tqdm
 
 from flashdraft.model import DFlashDrafter, make_draft_config
 from flashdraft.prompts import load_prompts
-from flashdraft.target import chat_input_ids, choose_mask_token, frozen_head_from_model, target_layer_ids
+from flashdraft.target import chat_input_ids, choose_mask_token, target_layer_ids
 from harness.prompt_lookup import prompt_lookup_generate
-from harness.speculative import DrafterProposer, Generation, speculative_generate
+from harness.speculative import Generation, speculative_generate
 
 METHODS = ("plain", "prompt_lookup", "dflash")
 UNTRAINED_WARNING = (

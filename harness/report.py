@@ -40,7 +40,7 @@ def render_markdown(report: dict) -> str:
     if s["untrained_drafter"]:
         out += [f"> **WARNING: {report['warning']}**", ""]
     out += [
-        f"- target: `{s['target']}`; drafter: `{s['drafter']}`" + (" (UNTRAINED, random)" if s["untrained_drafter"] else ""),
+        f"- target: `{s['target']}`; drafter: `{s['drafter']}`",
         f"- prompts: {', '.join(f'{k} ({v})' for k, v in s['prompt_counts'].items())}; split {s['split']}, limit {s['limit']} per source",
         f"- max_new_tokens {s['max_new_tokens']}, temperature {s['temperature']}, top_p {s['top_p']}, top_k {s['top_k']}, "
         f"block size {s['block_size']}, prompt lookup {s['prompt_lookup_num_tokens']} tokens",
