@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.sampling import check_sampling
+from flashdraft.sampling import check_sampling
 from harness.speculative import Generation, clock
 
 

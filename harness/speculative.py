@@ -20,7 +20,8 @@ import torch
 from transformers import DynamicCache
 
 from flashdraft.model import extract_context_feature
-from harness.sampling import check_sampling, greedy_accept, rejection_sample, sample, sampling_probs
+from flashdraft.sampling import check_sampling, sample, sampling_probs
+from harness.sampling import greedy_accept, rejection_sample
 
 
 class DrafterProposer:

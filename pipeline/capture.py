@@ -17,6 +17,7 @@ import torch
 from transformers import DynamicCache
 
 from flashdraft.model import extract_context_feature
+from flashdraft.sampling import sample, sampling_probs
 
 
 class TargetNaNError(RuntimeError):
@@ -54,16 +55,7 @@ def left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, 
 def pick_tokens(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
     if not sampling.do_sample or sampling.temperature <= 0:
         return logits.argmax(-1)
-    logits = logits.float() / sampling.temperature
-    if sampling.top_k > 0:
-        kth = logits.topk(min(sampling.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if sampling.top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) > sampling.top_p  # keep the smallest prefix reaching top_p
-        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+    return sample(sampling_probs(logits, sampling.temperature, sampling.top_p, sampling.top_k), generator)
 
 
 def _check_finite(feats: torch.Tensor, what: str) -> None:

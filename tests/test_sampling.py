@@ -11,7 +11,8 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 import harness.speculative as speculative
 from flashdraft.model import DFlashDrafter, make_draft_config
 from flashdraft.target import frozen_head_from_model
-from harness.sampling import greedy_accept, rejection_sample, sample, sampling_probs
+from flashdraft.sampling import sample, sampling_probs
+from harness.sampling import greedy_accept, rejection_sample
 from tests.test_speculative import one_thread, tiny_target  # noqa: F401 (one_thread: autouse fixture)
 
 V = 8  # vocabulary of the distribution tests: 8^3 outcomes for three tokens
