@@ -67,7 +67,7 @@ def main():
     ap.add_argument("--store", default="/tmp/flashdraft-bench-store")
     ap.add_argument("--anchors", type=int, default=8)
     ap.add_argument("--token-budget", type=int, default=1536)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     os.environ.setdefault("WANDB_MODE", "disabled")
     setup_distributed_env()
@@ -128,11 +128,15 @@ def main():
         engine.step()
 
     bare_step(), trainer_step()  # warm up
-    bare_s = timed(bare_step, args.repeats)
-    step_s = timed(trainer_step, args.repeats)
+    # interleaved, medians: on a shared CPU the load changes from one second to the next
+    pairs = [(timed(bare_step, 1), timed(trainer_step, 1)) for _ in range(args.repeats)]
+    bare_s = statistics.median(p[0] for p in pairs)
+    step_s = statistics.median(p[1] for p in pairs)
     seqs_per_step = len(batch.seq_ids)
     need_seq_s = seqs_per_step / step_s
 
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; step pairs (bare, trainer) ms: "
+          f"{[(round(a * 1e3), round(b * 1e3)) for a, b in pairs]}")
     print(f"store: {len(store)} sequences, {int(store.lengths.sum())} tokens, SmolLM2 width ({len(LAYERS)}x{HIDDEN}), bf16")
     print(f"batch: {seqs_per_step} sequences, {batch.tokens} context tokens, {batch.anchors.shape[1]} anchors x {B}, "
           f"{int((batch.weights > 0).sum())} loss rows")

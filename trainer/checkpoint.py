@@ -71,7 +71,8 @@ def save_checkpoint(engine, root: str | Path, step: int, client_state: dict, *, 
     tag = f"step-{step:08d}"
     tmp_root = root / f".tmp-{tag}"
     if _rank() == 0:
-        shutil.rmtree(tmp_root, ignore_errors=True)
+        for stale in root.glob(".tmp-step-*"):  # left by a run killed while saving
+            shutil.rmtree(stale, ignore_errors=True)
         tmp_root.mkdir(parents=True)
     _barrier()
     engine.save_checkpoint(str(tmp_root), tag=tag, client_state=client_state, save_latest=False)
