@@ -113,6 +113,19 @@ def make_draft_config(
     )
 
 
+_compiled_flex_attention = None
+
+
+def _flex_attention(q, k, v, block_mask, scale):
+    """FlexAttention; compiled on CUDA, where the eager kernel would materialise the full score matrix."""
+    global _compiled_flex_attention
+    if q.is_cuda:
+        if _compiled_flex_attention is None:
+            _compiled_flex_attention = torch.compile(flex_attention)
+        return _compiled_flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
+
+
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
 
@@ -169,7 +182,7 @@ class DraftAttention(nn.Module):
         k = torch.cat([k_ctx, k_blk], dim=2)
         v = torch.cat([v_ctx, v_blk], dim=2)
         if BlockMask is not None and isinstance(attention_mask, BlockMask):
-            out = flex_attention(q, k, v, block_mask=attention_mask, scale=self.scaling, enable_gqa=True)
+            out = _flex_attention(q, k, v, attention_mask, self.scaling)
         else:
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=attention_mask, scale=self.scaling, enable_gqa=self.num_heads != self.num_kv_heads

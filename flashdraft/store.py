@@ -619,6 +619,11 @@ class StoreReader:
 
     __getitem__ = read
 
+    def shard_loss_masks(self):
+        """Per committed shard, (offsets, flat loss_mask): metadata-sized scans without reading features."""
+        for shard in self._shards:
+            yield shard.offsets, np.asarray(self._array(shard, "loss_mask")[:], dtype=np.bool_)
+
     def __iter__(self):
         return (self.read(i) for i in range(len(self)))
 

@@ -44,10 +44,9 @@ def valid_anchor_counts(reader: StoreReader, block_size: int, max_length: int) -
     Reads each shard's loss mask once (one byte a token) instead of every sequence."""
     counts = np.zeros(len(reader), dtype=np.int64)
     start = 0
-    for shard in reader._shards:
-        offsets = shard.offsets
+    for offsets, mask in reader.shard_loss_masks():
         n = len(offsets) - 1
-        mask = np.asarray(reader._array(shard, "loss_mask")[:], dtype=np.int64)
+        mask = mask.astype(np.int64)
         csum = np.concatenate([[0], np.cumsum(mask)])
         s = np.minimum(np.diff(offsets), max_length)
         lo = offsets[:-1] + 1  # loss_mask[p+1] for p = 0 ..
