@@ -27,6 +27,10 @@ test: setup
 clean:
 	rm -rf runs outputs multirun
 
-# The README's first command: set up, then the main job on the embedded default.
+# The README's first command: set up, then the whole loop on a demo profile (minutes, not a useful drafter).
+DEMO_DIR ?= runs/demo-$(MODEL)
 demo: setup
-	$(PY) -m harness model=$(MODEL) eval.allow_untrained=true $(ARGS)
+	$(PY) -m pipeline model=$(MODEL) data=demo run_dir=$(DEMO_DIR) $(ARGS)
+	$(PY) -m pipeline verify $(DEMO_DIR)/features
+	$(PY) -m trainer model=$(MODEL) train=demo run_dir=$(DEMO_DIR) $(ARGS)
+	$(PY) -m harness model=$(MODEL) eval=quick eval.allow_untrained=false run_dir=$(DEMO_DIR) $(ARGS)
