@@ -99,16 +99,8 @@ def _in_hub_cache(repo_id: str) -> bool:
         return False
 
 
-def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(resolve_target(name_or_path), trust_remote_code=trust_remote_code)
-
-
-def load_target(name_or_path: str, dtype: torch.dtype = torch.float32, device="cpu", trust_remote_code: bool = False):
-    """Load (model, tokenizer), model in eval mode with gradients off."""
-    from transformers import AutoModelForCausalLM
-
+def _resolve_reachable(name_or_path: str) -> str:
+    """resolve_target, plus a fast, clear error for a hub id that is neither cached nor reachable."""
     path = resolve_target(name_or_path)
     if not Path(path).exists() and not _in_hub_cache(path):
         reason = hub_unreachable_reason()
@@ -117,15 +109,34 @@ def load_target(name_or_path: str, dtype: torch.dtype = torch.float32, device="c
                 f"target {name_or_path!r} is neither a local folder nor reachable on the Hugging Face hub ({reason}); "
                 f"pass a local folder, or use the embedded default {EMBEDDED_NAME!r}"
             )
+    return path
+
+
+def load_config(name_or_path: str, trust_remote_code: bool = False):
+    """The target's config (the text config of a multimodal model)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(_resolve_reachable(name_or_path), trust_remote_code=trust_remote_code)
+    return getattr(config, "text_config", None) or config
+
+
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(_resolve_reachable(name_or_path), trust_remote_code=trust_remote_code)
+
+
+def load_target(name_or_path: str, dtype: torch.dtype = torch.float32, device="cpu", trust_remote_code: bool = False):
+    """Load (model, tokenizer), model in eval mode with gradients off."""
+    from transformers import AutoModelForCausalLM
+
+    path = _resolve_reachable(name_or_path)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa"
         )
     except OSError as e:
-        raise OSError(
-            f"cannot load target {name_or_path!r}: {e}. Hub models need network access to the hub "
-            f"(or a local copy: pass its folder); the embedded default is {EMBEDDED_NAME!r}."
-        ) from e
+        raise OSError(f"cannot load target {name_or_path!r}: {e}") from e
     tokenizer = load_tokenizer(name_or_path, trust_remote_code)
     model.to(device).eval().requires_grad_(False)
     return model, tokenizer

@@ -10,8 +10,8 @@ from flashdraft.store import StoreWriter, bytes_per_token
 from flashdraft.target import (
     chat_template_hash,
     choose_mask_token,
+    load_config,
     load_tokenizer,
-    resolve_target,
     target_fingerprint,
 )
 from pipeline.worker import CaptureSettings
@@ -28,10 +28,7 @@ def load_records(sources, *, split: str | None = "train", limit: int | None = No
 
 
 def target_config(target: str, trust_remote_code: bool = False):
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(resolve_target(target), trust_remote_code=trust_remote_code)
-    return getattr(config, "text_config", None) or config
+    return load_config(target, trust_remote_code)
 
 
 def open_store(store_path, settings: CaptureSettings, *, sources, store_options: dict) -> StoreWriter:

@@ -2,7 +2,6 @@
 
 from pathlib import Path
 
-import pytest
 from hydra import compose, initialize_config_dir
 
 from trainer.__main__ import train_config

@@ -1,7 +1,6 @@
 """Training data: anchor counts from the store, skips decided before sharding, rank plans, loader."""
 
 import numpy as np
-import pytest
 import torch
 
 from flashdraft.store import write_store

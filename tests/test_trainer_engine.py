@@ -1,7 +1,6 @@
 """The DeepSpeed trainer end to end on CPU (gloo): 2 ranks == 1 rank, kill + resume, NaN stop,
 manifest checks, and the exported drafter in the published format."""
 
-import json
 import signal
 import time
 

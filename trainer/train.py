@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from flashdraft.model import DFlashDrafter, default_gamma, make_draft_config
 from flashdraft.store import read_manifest
-from flashdraft.target import load_frozen_head, resolve_target, target_fingerprint
+from flashdraft.target import load_frozen_head, target_fingerprint
 from trainer.checkpoint import export_drafter, latest_tag, load_checkpoint, save_checkpoint
 from trainer.data import Prefetcher, TrainingData
 from trainer.engine import build_engine, gathered_state_dict, setup_distributed_env
@@ -110,7 +110,7 @@ def resolve_mask_token(cfg: TrainConfig, manifests: list[dict], vocab_size: int)
 
 
 def train(cfg: TrainConfig) -> dict:
-    from transformers import AutoConfig
+    from flashdraft.target import load_config
 
     rank, world, local_rank = setup_distributed_env()
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
@@ -123,8 +123,7 @@ def train(cfg: TrainConfig) -> dict:
     # --- drafter config, checked against the stores before anything trains
     stores = [cfg.stores] if isinstance(cfg.stores, str) else list(cfg.stores)
     manifests = [read_manifest(p) for p in stores]
-    target_config = AutoConfig.from_pretrained(resolve_target(cfg.target))
-    tc = getattr(target_config, "text_config", None) or target_config
+    target_config = tc = load_config(cfg.target)
     mask_token_id = resolve_mask_token(cfg, manifests, tc.vocab_size)
     draft_config = make_draft_config(
         target_config, mask_token_id=mask_token_id, num_draft_layers=cfg.num_draft_layers, block_size=cfg.block_size,
