@@ -68,6 +68,7 @@ def main():
     ap.add_argument("--anchors", type=int, default=8)
     ap.add_argument("--token-budget", type=int, default=1536)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--workers", type=int, default=4, help="loader threads (train.loader_workers)")
     args = ap.parse_args()
     os.environ.setdefault("WANDB_MODE", "disabled")
     setup_distributed_env()
@@ -83,7 +84,7 @@ def main():
                         mask_token_id=0, gamma=gamma, heldout_fraction=0.02)
     plan = data.plan(0, token_budget=args.token_budget)
     mbs = [mb for s in plan.steps for mb in s]
-    loader = Prefetcher(data, mbs, 0, workers=2, depth=4)
+    loader = Prefetcher(data, mbs, 0, workers=args.workers, depth=2 * args.workers)
     first = next(loader)
     first_batch_s = time.perf_counter() - t0
     loader.close()
@@ -91,7 +92,7 @@ def main():
     # --- loader throughput (no trainer consuming: the rate it can sustain)
     n_mb = min(40, len(mbs))
     t0 = time.perf_counter()
-    loader = Prefetcher(data, mbs[:n_mb], 0, workers=2, depth=4)
+    loader = Prefetcher(data, mbs[:n_mb], 0, workers=args.workers, depth=2 * args.workers)
     n_seq = sum(len(b.seq_ids) for b in loader)
     loader_seq_s = n_seq / (time.perf_counter() - t0)
 

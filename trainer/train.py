@@ -56,7 +56,7 @@ class TrainConfig:
     attention: str = "auto"  # auto (flex on GPU, dense on CPU) | flex | dense
     compile: str = "auto"  # torch.compile the drafter: auto = on GPU
     ce_chunk: int = 1024
-    loader_workers: int = 2
+    loader_workers: int = 4
     prefetch: int = 4
     checkpoint_every: int = 1000
     keep_checkpoints: int = 3
