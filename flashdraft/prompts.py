@@ -61,9 +61,13 @@ def sequence_id(source: str, record_id: str, messages, followups=()) -> str:
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:20]
 
 
+def hash_fraction(key: str) -> float:
+    """A stable point in [0, 1) for `key`: the basis of every deterministic split."""
+    return int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) / 0x1_0000_0000
+
+
 def split_of(seq_id: str, heldout_fraction: float = DEFAULT_HELDOUT_FRACTION) -> str:
-    bucket = int(hashlib.sha256(("split:" + seq_id).encode()).hexdigest()[:8], 16) / 0x1_0000_0000
-    return "heldout" if bucket < heldout_fraction else "train"
+    return "heldout" if hash_fraction("split:" + seq_id) < heldout_fraction else "train"
 
 
 def check_messages(messages) -> str | None:

@@ -75,7 +75,7 @@ def materialize_embedded(force: bool = False) -> Path:
     return out
 
 
-def file_sha256(path: Path, limit: int | None = None) -> str:
+def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):

@@ -15,7 +15,6 @@ A thread pool builds micro-batches ahead of the trainer (Zarr decompression rele
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from flashdraft.prompts import hash_fraction
 from flashdraft.store import StoreReader
 from trainer.anchors import draw_anchors, stable_seed
 from trainer.batch import Batch, collate
@@ -34,8 +34,7 @@ def is_heldout(seq_id: str, fraction: float) -> bool:
     """Held-out part of a store for evaluation during training (salted apart from the prompt split)."""
     if fraction <= 0:
         return False
-    bucket = int(hashlib.sha256(("trainer-heldout:" + seq_id).encode()).hexdigest()[:8], 16) / 0x1_0000_0000
-    return bucket < fraction
+    return hash_fraction("trainer-heldout:" + seq_id) < fraction
 
 
 def valid_anchor_counts(reader: StoreReader, block_size: int, max_length: int) -> np.ndarray:
