@@ -4,7 +4,7 @@ MODEL ?= smollm2-135m
 PY ?= .venv/bin/python
 ARGS ?=
 
-.PHONY: setup features train eval demo test clean
+.PHONY: setup features train eval quick full demo test clean
 
 .venv/.installed: pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
@@ -13,13 +13,16 @@ ARGS ?=
 setup: .venv/.installed
 
 features: setup
-	$(PY) -m pipeline model=$(MODEL) $(ARGS)
+	$(PY) -m pipeline model=$(MODEL) $(DATA_ARG) $(PROFILE_ARGS) $(ARGS)
+ifdef PROFILE
+	$(PY) -m pipeline model=$(MODEL) $(PROFILE_ARGS) data=heldout 'features_dir=$${run_dir}/features-heldout' $(ARGS)
+endif
 
 train: setup
-	$(PY) -m trainer model=$(MODEL) $(ARGS)
+	$(PY) -m trainer model=$(MODEL) $(DATA_ARG) $(PROFILE_ARGS) $(ARGS)
 
 eval: setup
-	$(PY) -m harness model=$(MODEL) $(ARGS)
+	$(PY) -m harness model=$(MODEL) $(DATA_ARG) $(PROFILE_ARGS) $(ARGS)
 
 test: setup
 	$(PY) -m pytest -q $(ARGS)
@@ -27,10 +30,18 @@ test: setup
 clean:
 	rm -rf runs outputs multirun
 
-# The README's first command: set up, then the whole loop on a demo profile (minutes, not a useful drafter).
-DEMO_DIR ?= runs/demo-$(MODEL)
-demo: setup
-	$(PY) -m pipeline model=$(MODEL) data=demo run_dir=$(DEMO_DIR) $(ARGS)
-	$(PY) -m pipeline verify $(DEMO_DIR)/features
-	$(PY) -m trainer model=$(MODEL) train=demo run_dir=$(DEMO_DIR) $(ARGS)
-	$(PY) -m harness model=$(MODEL) eval=quick eval.allow_untrained=false run_dir=$(DEMO_DIR) $(ARGS)
+# Profiles for the embedded default: PROFILE=quick (~15 min on 2 cores) or full (~1 h capture + ~1 h
+# training) picks data=, train= and eval= of that name and runs in runs/<profile>-<model>.
+ifdef PROFILE
+PROFILE_ARGS = train=$(PROFILE) eval=$(PROFILE) run_dir=runs/$(PROFILE)-$(MODEL)
+DATA_ARG = data=$(PROFILE)
+endif
+
+# The README's first command: set up, then the whole loop on the quick profile, results table at the end.
+quick: setup
+	$(MAKE) --no-print-directory features train eval PROFILE=quick
+
+full: setup
+	$(MAKE) --no-print-directory features train eval PROFILE=full
+
+demo: quick

@@ -1,6 +1,7 @@
 """Wall-clock of one speculative round (draft / verify / bookkeeping) against one plain decode step.
 
     .venv/bin/python benchmarks/bench_round.py [--prompts 3] [--max-new-tokens 48] [--block-size 16] [--threads N]
+                                               [--dtype auto|float32|bfloat16]
 
 SmolLM2-135M (the embedded default) with an untrained 5-layer drafter on held-out HumanEval
 prompts; both loops are the harness's, so the ratios compare like with like. Printed ratios:
@@ -17,7 +18,14 @@ import time
 import torch
 
 from flashdraft.prompts import load_prompts
-from flashdraft.target import chat_input_ids, frozen_head_from_model, load_target, stop_token_ids
+from flashdraft.target import (
+    chat_input_ids,
+    exact_attention,
+    frozen_head_from_model,
+    load_target,
+    resolve_dtype,
+    stop_token_ids,
+)
 from harness.evaluate import load_drafter
 from harness.speculative import DrafterProposer, speculative_generate
 
@@ -28,10 +36,12 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--dtype", default="float32", help="auto = what the harness picks (bf16 on AMX CPUs)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    target, tokenizer = load_target("smollm2-135m")
+    dtype = resolve_dtype(args.dtype, "cpu")
+    target, tokenizer = load_target("smollm2-135m", dtype=dtype, attn_implementation=exact_attention(dtype, "cpu"))
     drafter, _ = load_drafter(None, target, tokenizer, allow_untrained=True, block_size=args.block_size)
     proposer = DrafterProposer(drafter, frozen_head_from_model(target))
     stop = stop_token_ids(target, tokenizer)
@@ -48,7 +58,7 @@ def main() -> None:
         book += spec.bookkeeping_s
         prompt_lens.append(len(ids))
         cache_lens.append(len(ids) + len(spec.tokens))
-    head_in = torch.randn(args.block_size - 1, target.config.hidden_size)
+    head_in = torch.randn(args.block_size - 1, target.config.hidden_size, dtype=dtype)
     t0 = time.perf_counter()
     for _ in range(20):
         proposer.head.lm_head(head_in)
@@ -56,7 +66,7 @@ def main() -> None:
 
     ms = lambda xs: 1000 * statistics.mean(xs)  # noqa: E731
     step, rnd = ms(plain_steps), ms(draft) + ms(verify) + ms(book)
-    print(f"SmolLM2-135M fp32, untrained {len(drafter.layers)}-layer drafter ({drafter.num_parameters() / 1e6:.1f}M params), "
+    print(f"SmolLM2-135M {str(dtype).removeprefix('torch.')} ({target.config._attn_implementation} attention), untrained {len(drafter.layers)}-layer drafter ({drafter.num_parameters() / 1e6:.1f}M params), "
           f"block {args.block_size}, {len(prompts)} HumanEval prompts ({min(prompt_lens)}-{max(prompt_lens)} tokens, "
           f"up to {max(cache_lens)} with output), {torch.get_num_threads()} threads")
     print(f"plain decode step    {step:8.2f} ms  ({len(plain_steps)} steps)")

@@ -235,6 +235,46 @@ class DFlashDrafter(nn.Module):
             elif isinstance(module, Qwen3RMSNorm):
                 nn.init.ones_(module.weight)
 
+    @torch.no_grad()
+    def init_from_target(self, tensors: dict, prefix: str = "model.") -> list[int]:
+        """Start from the target's own top decoder layers instead of noise.
+
+        Draft layer i takes the weights of target layer L-N+i (Llama and Qwen3 names; a target
+        without q_norm/k_norm leaves them at 1), `norm` takes the target's final norm, `fc` starts
+        as the identity on the deepest captured feature and `hidden_norm` as the mean input norm of
+        the copied layers, so the context keys/values start as those layers' own. Returns the
+        target layers copied. `tensors`: the target checkpoint's tensors by name (any superset).
+        """
+        num_target_layers = int(self.config.num_target_layers)
+        first = num_target_layers - len(self.layers)
+        if first < 0:
+            raise ValueError(f"{len(self.layers)} draft layers but the target has only {num_target_layers}")
+        own = self.state_dict()
+        copied = {}
+        for i in range(len(self.layers)):
+            for name in own:
+                if not name.startswith(f"layers.{i}."):
+                    continue
+                source = f"{prefix}layers.{first + i}." + name.split(".", 2)[2]
+                if source in tensors:
+                    if tensors[source].shape != own[name].shape:
+                        raise ValueError(f"{source} has shape {tuple(tensors[source].shape)}, draft {name} {tuple(own[name].shape)}")
+                    copied[name] = tensors[source]
+        missing = [n for n in own if n.startswith("layers.") and n not in copied and not n.endswith(("q_norm.weight", "k_norm.weight"))]
+        if missing:
+            raise KeyError(f"the target checkpoint lacks the tensors for draft {missing[:4]}...")
+        if f"{prefix}norm.weight" in tensors:
+            copied["norm.weight"] = tensors[f"{prefix}norm.weight"]
+        hidden = self.config.hidden_size
+        fc = torch.zeros_like(own["fc.weight"])
+        fc[:, -hidden:] = torch.eye(hidden)
+        copied["fc.weight"] = fc
+        copied["hidden_norm.weight"] = torch.stack(
+            [tensors[f"{prefix}layers.{first + i}.input_layernorm.weight"] for i in range(len(self.layers))]
+        ).mean(0)
+        self.load_state_dict({k: v.to(own[k].dtype) for k, v in copied.items()}, strict=False)
+        return list(range(first, num_target_layers))
+
     def new_cache(self) -> DraftCache:
         return DraftCache(len(self.layers))
 

@@ -126,14 +126,38 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
     return AutoTokenizer.from_pretrained(_resolve_reachable(name_or_path), trust_remote_code=trust_remote_code)
 
 
-def load_target(name_or_path: str, dtype: torch.dtype = torch.float32, device="cpu", trust_remote_code: bool = False):
+def cpu_has_bf16_tiles() -> bool:
+    """AMX bf16 tiles: a bf16 matmul over 16 rows costs what one row does (measured in the README)."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe and probe())
+
+
+def resolve_dtype(name: str, device) -> torch.dtype:
+    """'auto' -> bfloat16 on CUDA and on CPUs with AMX, else float32; other names as torch dtypes."""
+    if name == "auto":
+        on_cuda = torch.device(device).type == "cuda"
+        return torch.bfloat16 if on_cuda or cpu_has_bf16_tiles() else torch.float32
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}: use auto, bfloat16, float16 or float32")
+    return dtype
+
+
+def exact_attention(dtype: torch.dtype, device) -> str:
+    """The attention kernel for verification. On CPU, SDPA gives a 16-token bf16 forward logits that
+    differ from 16 one-token forwards (argmax flips: not lossless); eager attention is bit-identical."""
+    return "eager" if torch.device(device).type == "cpu" and dtype != torch.float32 else "sdpa"
+
+
+def load_target(name_or_path: str, dtype: torch.dtype = torch.float32, device="cpu", trust_remote_code: bool = False,
+                attn_implementation: str = "sdpa"):
     """Load (model, tokenizer), model in eval mode with gradients off."""
     from transformers import AutoModelForCausalLM
 
     path = _resolve_reachable(name_or_path)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa"
+            path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
         )
     except OSError as e:
         raise OSError(f"cannot load target {name_or_path!r}: {e}") from e
@@ -233,8 +257,8 @@ _EMBED_KEYS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.w
 _HEAD_KEYS = ("lm_head.weight",)
 
 
-def load_frozen_head(name_or_path: str, dtype: torch.dtype = torch.float32) -> FrozenHead:
-    """Read only the embedding and output-head tensors from a target folder's safetensors."""
+def _target_folder_and_weights(name_or_path: str) -> tuple[Path, dict]:
+    """(folder, tensor name -> safetensors file) of a target, without loading any tensor."""
     folder = Path(resolve_target(name_or_path))
     if not folder.is_dir():
         from huggingface_hub import snapshot_download
@@ -242,20 +266,35 @@ def load_frozen_head(name_or_path: str, dtype: torch.dtype = torch.float32) -> F
         folder = Path(snapshot_download(str(name_or_path), allow_patterns=["*.json", "*.safetensors"]))
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-    else:
-        single = folder / "model.safetensors"
-        if not single.is_file():
-            raise FileNotFoundError(f"{folder} has no model.safetensors or index")
-        with safe_open(str(single), "pt") as f:
-            weight_map = {k: "model.safetensors" for k in f.keys()}
+        return folder, json.loads(index.read_text())["weight_map"]
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(f"{folder} has no model.safetensors or index")
+    with safe_open(str(single), "pt") as f:
+        return folder, {k: "model.safetensors" for k in f.keys()}
+
+
+def read_target_tensors(name_or_path: str, names, dtype: torch.dtype = torch.float32) -> dict:
+    """Tensors of a target's checkpoint, read one by one: `names` is a list (absent names are left
+    out) or a predicate on the checkpoint's tensor names."""
+    folder, weight_map = _target_folder_and_weights(name_or_path)
+    if callable(names):
+        names = [n for n in weight_map if names(n)]
+    out = {}
+    for name in names:
+        if name in weight_map:
+            with safe_open(str(folder / weight_map[name]), "pt") as f:
+                out[name] = f.get_tensor(name).to(dtype)
+    return out
+
+
+def load_frozen_head(name_or_path: str, dtype: torch.dtype = torch.float32) -> FrozenHead:
+    """Read only the embedding and output-head tensors from a target folder's safetensors."""
+    folder, weight_map = _target_folder_and_weights(name_or_path)
 
     def read(keys):
-        for key in keys:
-            if key in weight_map:
-                with safe_open(str(folder / weight_map[key]), "pt") as f:
-                    return f.get_tensor(key).to(dtype)
-        return None
+        found = read_target_tensors(name_or_path, [k for k in keys if k in weight_map][:1], dtype)
+        return next(iter(found.values()), None)
 
     embed_w = read(_EMBED_KEYS)
     if embed_w is None:

@@ -3,7 +3,8 @@
     python -m harness                                   # conf/eval/quick.yaml, the model's drafter_dir
     python -m harness eval=full eval.drafter=PATH
     python -m harness eval.limit=2 eval.temperature=0.7 eval.methods=[plain,dflash]
-Writes report.json, report.md and runs.jsonl (one line per prompt, as it goes) into eval.out_dir.
+Writes report.json, report.md and runs.jsonl (one line per prompt, as it goes) into eval.out_dir, with
+acceptance.png and training.png (from eval.metrics, the trainer's metrics.jsonl) next to report.md.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from flashdraft.target import frozen_head_from_model, load_target, stop_token_ids, target_fingerprint
+from flashdraft.target import exact_attention, frozen_head_from_model, load_target, resolve_dtype, stop_token_ids, target_fingerprint
 from harness.evaluate import (
     UNTRAINED_WARNING,
     DecodeSettings,
@@ -26,8 +27,10 @@ from harness.evaluate import (
     load_drafter,
     summarize,
 )
+from harness.pictures import acceptance_lengths_by_source, plot_acceptance, plot_training
 from harness.report import TIMING_NOTE, methods_table, write_report
 from harness.speculative import DrafterProposer
+from harness.training_log import parity_line, read_metrics, train_serve_parity
 
 
 def resolve_device(name: str) -> torch.device:
@@ -36,12 +39,40 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def add_pictures_and_parity(report: dict, records: list[dict], out_dir: Path, metrics_path, block_size: int) -> None:
+    """Draws acceptance.png and training.png into out_dir, and sets report["pictures"] (their names, for
+    report.md) and report["train_serve_parity"] (None without trainer metrics or a trained drafter)."""
+    untrained = report["settings"]["untrained_drafter"]
+    served_tau = None if untrained else report["methods"].get("dflash", {}).get("tau")
+    rows = read_metrics(metrics_path) if metrics_path else None
+    pictures = {}
+    for name in ("acceptance", "training"):
+        (out_dir / f"{name}.png").unlink(missing_ok=True)  # never leave an earlier run's picture next to this report
+    try:  # a plotting failure must not cost the report of a long eval
+        if plot_acceptance(acceptance_lengths_by_source(records), block_size, out_dir / "acceptance.png"):
+            pictures["acceptance"] = "acceptance.png"
+        if rows is None:
+            print(f"training.png skipped: no trainer metrics at {metrics_path} (eval.metrics)")
+        elif plot_training(rows, out_dir / "training.png", served_tau=served_tau):
+            pictures["training"] = "training.png"
+        else:
+            print(f"training.png skipped: {metrics_path} has no train or eval rows")
+    except Exception as error:
+        print(f"pictures incomplete ({', '.join(pictures) or 'none'} drawn): {error!r}", file=sys.stderr)
+    parity = train_serve_parity(rows, served_tau)
+    if parity:
+        parity["metrics"] = str(metrics_path)
+    report["pictures"], report["train_serve_parity"] = pictures, parity
+
+
 def run(cfg: DictConfig) -> dict:
     e, m = cfg.eval, cfg.model
     if e.num_threads:
         torch.set_num_threads(int(e.num_threads))
-    device, dtype = resolve_device(cfg.device), getattr(torch, m.dtype)
-    target, tokenizer = load_target(m.target, dtype=dtype, device=device, trust_remote_code=cfg.trust_remote_code)
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(m.dtype, device)
+    target, tokenizer = load_target(m.target, dtype=dtype, device=device, trust_remote_code=cfg.trust_remote_code,
+                                    attn_implementation=exact_attention(dtype, device))
     methods = list(e.methods)
     proposer, untrained, drafter_path, block_size = None, False, None, 1
     if "dflash" in methods:
@@ -94,7 +125,8 @@ def run(cfg: DictConfig) -> dict:
             "methods": methods,
             "seed": e.seed,
             "device": str(device),
-            "dtype": m.dtype,
+            "dtype": str(dtype).removeprefix("torch."),
+            "attention": target.config._attn_implementation,
             "timing": TIMING_NOTE,
             **environment(),
         },
@@ -110,13 +142,16 @@ def run(cfg: DictConfig) -> dict:
     }
     if untrained:
         report["warning"] = UNTRAINED_WARNING
+    add_pictures_and_parity(report, records, out_dir, e.get("metrics"), block_size)
     json_path, md_path = write_report(report, out_dir)
     print(("\n!!! " + UNTRAINED_WARNING + "\n" if untrained else "") + "\n" + methods_table(report["methods"]))
     if "dflash" in methods:
         d = report["methods"]["dflash"]
         print(f"dflash acceptance histogram {json.dumps(d['acceptance_histogram'])}; round ms "
               + ", ".join(f"{k} {v:.1f}" for k, v in d["round_ms"].items()))
-    print(f"\nwrote {json_path} and {md_path}")
+    if parity := report["train_serve_parity"]:
+        print(parity_line(parity) + (f"\n  {parity['explanation']}" if parity["explanation"] else ""))
+    print(f"\nwrote {json_path} and {md_path}" + "".join(f", {out_dir / p}" for p in report["pictures"].values()))
     return report
 
 

@@ -1,10 +1,12 @@
 """report.json and report.md: settings, per-method tau / throughput / speedup / losslessness, per
-prompt-set breakdown, DFlash acceptance histogram and round-time split."""
+prompt-set breakdown, DFlash acceptance histogram and round-time split, train/serve parity, picture links."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from harness.training_log import PARITY_TOLERANCE
 
 TIMING_NOTE = (
     "Decode time excludes the prefill (the prompt forward that emits the first token; for prompt lookup, "
@@ -44,7 +46,7 @@ def render_markdown(report: dict) -> str:
         f"- prompts: {', '.join(f'{k} ({v})' for k, v in s['prompt_counts'].items())}; split {s['split']}, limit {s['limit']} per source",
         f"- max_new_tokens {s['max_new_tokens']}, temperature {s['temperature']}, top_p {s['top_p']}, top_k {s['top_k']}, "
         f"block size {s['block_size']}, prompt lookup {s['prompt_lookup_num_tokens']} tokens",
-        f"- device {s['device']} ({s['dtype']}), torch {s['torch']}, transformers {s['transformers']}, "
+        f"- device {s['device']} ({s['dtype']}, {s.get('attention', 'sdpa')} attention), torch {s['torch']}, transformers {s['transformers']}, "
         f"{s['torch_threads']} threads, {s['date']}",
         "",
         methods_table(methods),
@@ -72,6 +74,25 @@ def render_markdown(report: dict) -> str:
             + f" (total {sum(d['round_ms'].values()):.2f} ms over {d['rounds']} rounds)",
             "",
         ]
+    pictures = report.get("pictures") or {}
+    if "acceptance" in pictures:
+        out += [f"![Acceptance length per prompt set]({pictures['acceptance']})", ""]
+    parity = report.get("train_serve_parity")
+    if parity or "training" in pictures:
+        out += ["## Training", ""]
+    if parity:
+        out += [
+            "Train/serve parity:",
+            "",
+            f"| offline tau (trainer's held-out eval, step {parity['offline_step']}) | served DFlash tau (this eval) | relative gap |",
+            "|---|---|---|",
+            f"| {parity['offline_tau']:.3f} | {parity['served_tau']:.3f} | {100 * parity['relative_gap']:+.1f}% |",
+            "",
+            f"Trainer metrics: `{parity['metrics']}`." + (f" The gap exceeds {PARITY_TOLERANCE:.0%}: {parity['explanation']}" if parity["explanation"] else ""),
+            "",
+        ]
+    if "training" in pictures:
+        out += [f"![Training curves: loss and offline tau]({pictures['training']})", ""]
     bad = {name: m.get("mismatched_prompts") for name, m in methods.items() if m.get("lossless") is False}
     if bad:
         out += ["## NOT LOSSLESS", "", *[f"- {name}: {', '.join(p)}" for name, p in bad.items()], ""]

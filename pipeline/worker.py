@@ -14,7 +14,7 @@ import torch
 
 from flashdraft.prompts import PromptRecord
 from flashdraft.store import ShardWriter, StoreLayout, read_manifest
-from flashdraft.target import chat_input_ids, load_target, stop_token_ids
+from flashdraft.target import chat_input_ids, load_target, resolve_dtype, stop_token_ids
 from pipeline.capture import Sampling, capture, regenerate
 
 
@@ -70,7 +70,7 @@ class CaptureWorker:
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.model, self.tokenizer = load_target(
-            settings.target, getattr(torch, settings.dtype), device, trust_remote_code=settings.trust_remote_code
+            settings.target, resolve_dtype(settings.dtype, device), device, trust_remote_code=settings.trust_remote_code
         )
         self.stop_ids = stop_token_ids(self.model, self.tokenizer)
         pad = self.tokenizer.pad_token_id

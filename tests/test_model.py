@@ -111,3 +111,38 @@ def test_extract_context_feature_order():
     hs = [torch.full((1, 2, 3), float(i)) for i in range(6)]
     out = extract_context_feature(hs, [3, 0])
     assert out[0, 0].tolist() == [4.0] * 3 + [1.0] * 3
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_init_from_target_copies_the_top_layers(arch, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    kw = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+              num_key_value_heads=2)
+    target = LlamaForCausalLM(LlamaConfig(**kw)) if arch == "llama" else Qwen3ForCausalLM(Qwen3Config(head_dim=16, **kw))
+    with torch.no_grad():
+        for name, p in target.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    target.save_pretrained(tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    config = make_draft_config(target.config, mask_token_id=63, num_draft_layers=2, target_layer_ids=[1, 3])
+    drafter = DFlashDrafter(config)
+    assert drafter.init_from_target(tensors) == [4, 5]
+    own = drafter.state_dict()
+    for i, j in enumerate([4, 5]):
+        for name, value in own.items():
+            if name.startswith(f"layers.{i}."):
+                source = f"model.layers.{j}." + name.split(".", 2)[2]
+                if arch == "llama" and name.endswith(("q_norm.weight", "k_norm.weight")):
+                    assert source not in tensors and torch.equal(value, torch.ones_like(value))
+                else:
+                    assert torch.equal(value, tensors[source]), name
+    assert torch.equal(own["norm.weight"], tensors["model.norm.weight"])
+    assert torch.equal(own["fc.weight"][:, 64:], torch.eye(64)) and not own["fc.weight"][:, :64].any()
+    mean_norm = (tensors["model.layers.4.input_layernorm.weight"] + tensors["model.layers.5.input_layernorm.weight"]) / 2
+    assert torch.allclose(own["hidden_norm.weight"], mean_norm)
+    with pytest.raises(KeyError, match="lacks"):
+        DFlashDrafter(config).init_from_target({k: v for k, v in tensors.items() if "layers.5.mlp" not in k})

@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from flashdraft.model import DFlashDrafter, make_draft_config
-from flashdraft.target import frozen_head_from_model
+from flashdraft.target import cpu_has_bf16_tiles, exact_attention, frozen_head_from_model
 from harness.prompt_lookup import prompt_lookup_generate
 from harness.speculative import DrafterProposer, speculative_generate
 
@@ -277,3 +277,25 @@ def test_sampling_matches_reference_with_the_same_seed(setup, reference, tmp_pat
         ours = speculative_generate(target, p, max_new_tokens=32, proposer=proposer, temperature=0.8, top_p=top_p, top_k=top_k, block_size=8)
         assert ours.tokens == ref.output_ids[0, p.shape[1] :].tolist()
         assert ours.acceptance_lengths == ref.acceptance_lengths
+
+
+@pytest.mark.skipif(not cpu_has_bf16_tiles(), reason="bf16 serving is chosen by dtype=auto only on CPUs with AMX")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_on_cpu_is_lossless_with_exact_attention(arch):
+    """bf16 on CPU: with the attention the harness picks (eager), a block forward gives the same logits
+    as one-token forwards, bit for bit, so speculative output equals plain decoding token for token."""
+    target = tiny_target(arch).to(torch.bfloat16)
+    assert exact_attention(torch.bfloat16, "cpu") == "eager"
+    target.config._attn_implementation = "eager"
+    ids = torch.randint(0, VOCAB - 2, (1, 40), generator=torch.Generator().manual_seed(3))
+    out = target(ids[:, :24], use_cache=True)
+    block = target(ids[:, 24:], past_key_values=out.past_key_values, use_cache=True).logits[0]
+    out = target(ids[:, :24], use_cache=True)
+    steps = [target(ids[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True).logits[0, -1] for t in range(24, 40)]
+    assert torch.equal(block, torch.stack(steps))
+    drafter = tiny_drafter(target.float(), block_size=8).to(torch.bfloat16)
+    target.to(torch.bfloat16)
+    proposer = DrafterProposer(drafter, frozen_head_from_model(target))
+    for p in random_prompts(6, seed=5):
+        plain = speculative_generate(target, p, max_new_tokens=24).tokens
+        assert speculative_generate(target, p, max_new_tokens=24, proposer=proposer).tokens == plain

@@ -2,6 +2,8 @@
 
 from pathlib import Path
 
+import pytest
+
 from hydra import compose, initialize_config_dir
 
 from trainer.__main__ import train_config
@@ -36,3 +38,23 @@ def test_sweep_jobs_train_into_their_own_directories():
     tc = train_config(composed("train.block_size=8"), sweep_subdir="train.block_size=8")
     assert tc.out_dir == "runs/smollm2-135m/train/train.block_size=8"
     assert tc.drafter_dir == "runs/smollm2-135m/train/train.block_size=8/drafter"
+
+
+def profile(name: str, data: str | None = None):
+    overrides = [f"data={data or name}", f"train={name}", f"eval={name}", f"run_dir=runs/{name}-smollm2-135m"]
+    with initialize_config_dir(config_dir=CONF, version_base=None):
+        return compose(config_name="config", overrides=overrides)
+
+
+@pytest.mark.parametrize("name", ["quick", "full"])
+def test_profiles_compose_for_every_stage(name):
+    """`make ... PROFILE=name`: the trainer evaluates on the store of the eval's own held-out prompts."""
+    run = f"runs/{name}-smollm2-135m"
+    cfg = profile(name)
+    tc = train_config(cfg)
+    assert tc.init == "target" and tc.block_size == 8 and tc.num_anchors == 32 and tc.dtype == "auto"
+    assert tc.stores == [f"{run}/features"] and tc.eval_stores == [f"{run}/features-heldout"]
+    assert cfg.eval.metrics == f"{run}/train/metrics.jsonl" and cfg.data.split == "train"
+    held = profile(name, data="heldout")
+    assert held.data.split == "heldout" and list(held.data.sources) == list(held.eval.prompts)
+    assert held.data.limit == held.eval.limit and held.data.max_new_tokens == held.eval.max_new_tokens

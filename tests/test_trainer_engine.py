@@ -118,3 +118,16 @@ def test_manifest_mismatch_names_the_field(setup, tmp_path, monkeypatch, change,
     kw = train_kwargs(tmp_path, store.path, target, mask_token_id=63)
     with pytest.raises(StoreMismatch, match=message):
         train(TrainConfig(**kw))
+
+
+def test_target_init_and_eval_on_separate_held_out_stores(setup, tmp_path):
+    """init=target starts from the target's top layers; eval/* comes from eval_stores only (the
+    training stores hold nothing back here, so without them there would be no eval rows)."""
+    _, target, store = setup
+    eval_store = tiny_store(tmp_path / "eval", target, n=6, seed=7)
+    kw = train_kwargs(tmp_path, store.path, target, init="target", eval_stores=[str(eval_store.path)],
+                      heldout_fraction=0.0, max_steps=4, eval_every=4, checkpoint_every=0)
+    run_training(tmp_path, kw)
+    evals = metrics(tmp_path / "run", "eval/loss")
+    assert len(evals) == 1 and evals[0]["eval/tau"] >= 1.0
+    assert len(metrics(tmp_path / "run")) == 4

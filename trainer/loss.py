@@ -47,13 +47,12 @@ class _ChunkedLinearCE(torch.autograd.Function):
         grad = torch.empty_like(hidden) if need_grad else None
         for i in range(0, len(hidden), chunk):
             h, y, wi = hidden[i : i + chunk], labels[i : i + chunk], w[i : i + chunk]
-            logits = (h @ head.T).float()
-            lse = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, y[:, None])[:, 0]
-            loss += ((lse - picked) * wi).sum()
+            logits = h @ head.T
             preds[i : i + chunk] = logits.argmax(dim=-1)
+            logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # one fused pass, fp32 out
+            loss -= (logp.gather(1, y[:, None])[:, 0] * wi).sum()
             if need_grad:
-                p = torch.exp(logits.sub_(lse[:, None]))
+                p = logp.exp_()
                 p[torch.arange(len(y), device=p.device), y] -= 1.0
                 p.mul_(wi[:, None])
                 grad[i : i + chunk] = (p.to(head.dtype) @ head).to(hidden.dtype)

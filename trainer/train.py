@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from flashdraft.model import DFlashDrafter, default_gamma, make_draft_config
 from flashdraft.store import read_manifest
-from flashdraft.target import load_frozen_head, target_fingerprint
+from flashdraft.target import load_frozen_head, read_target_tensors, resolve_dtype, target_fingerprint
 from trainer.checkpoint import export_drafter, latest_tag, load_checkpoint, save_checkpoint
 from trainer.data import Prefetcher, TrainingData
 from trainer.engine import build_engine, gathered_state_dict, setup_distributed_env
@@ -32,11 +32,13 @@ class TrainConfig:
     out_dir: str  # checkpoints, metrics.jsonl, wandb
     drafter_dir: str | None  # a copy of the latest exported drafter, for `make eval`
     target: str
+    eval_stores: list | None = None  # held-out stores for eval/* (None: a hashed held-out part of `stores`)
     layer_ids: list | None = None
     num_target_features: int = 5
     num_draft_layers: int = 5
     block_size: int = 16
     intermediate_size: int | None = None
+    init: str = "random"  # random | target (draft layers start as the target's top layers)
     mask_token_id: int | None = None  # None: the stores' manifest, else chosen from the tokenizer
     num_anchors: int = 512
     gamma: float | None = None  # None: default_gamma(block_size)
@@ -51,7 +53,7 @@ class TrainConfig:
     warmup_ratio: float = 0.04
     grad_clip: float = 1.0
     zero_stage: int = 2
-    dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float32
+    dtype: str = "auto"  # auto (bf16 on GPU and AMX CPUs, else fp32) | bfloat16 | float32
     device: str = "auto"
     attention: str = "auto"  # auto (flex on GPU, dense on CPU) | flex | dense
     compile: str = "auto"  # torch.compile the drafter: auto = on GPU
@@ -109,6 +111,14 @@ def resolve_mask_token(cfg: TrainConfig, manifests: list[dict], vocab_size: int)
     return choose_mask_token(load_tokenizer(cfg.target), vocab_size)
 
 
+def _layer_prefix(tensors: dict) -> str:
+    """'model.' for Llama/Qwen3 checkpoints, 'model.language_model.' for multimodal wrappers."""
+    for name in tensors:
+        if ".layers." in name:
+            return name[: name.index("layers.")]
+    raise KeyError("the target checkpoint has no decoder layer tensors")
+
+
 def train(cfg: TrainConfig) -> dict:
     from flashdraft.target import load_config
 
@@ -117,8 +127,10 @@ def train(cfg: TrainConfig) -> dict:
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and use_cuda)
-    dtype = torch.bfloat16 if bf16 else torch.float32
+    dtype = resolve_dtype(cfg.dtype, device)
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"train.dtype must be auto, bfloat16 or float32, got {cfg.dtype!r}")
+    bf16 = dtype == torch.bfloat16
     attention = cfg.attention if cfg.attention != "auto" else ("flex" if use_cuda else "dense")
     # --- drafter config, checked against the stores before anything trains
     stores = [cfg.stores] if isinstance(cfg.stores, str) else list(cfg.stores)
@@ -150,11 +162,27 @@ def train(cfg: TrainConfig) -> dict:
 
     deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo")
 
-    heldout = data.plan(0, split="heldout", token_budget=cfg.token_budget, world_size=world, rank=rank)
+    eval_data = data
+    if cfg.eval_stores:
+        eval_paths = [cfg.eval_stores] if isinstance(cfg.eval_stores, str) else list(cfg.eval_stores)
+        for path in eval_paths:
+            check_store(path, read_manifest(path), layer_ids=layer_ids, hidden_size=tc.hidden_size,
+                        vocab_size=tc.vocab_size, mask_token_id=mask_token_id, target=fingerprint)
+        eval_data = TrainingData(eval_paths, layer_ids=layer_ids, block_size=cfg.block_size, num_anchors=cfg.num_anchors,
+                                 max_length=cfg.max_length, mask_token_id=mask_token_id, gamma=gamma, seed=cfg.seed,
+                                 heldout_fraction=1.0)
+    heldout = eval_data.plan(0, split="heldout", token_budget=cfg.token_budget, world_size=world, rank=rank)
 
     # --- model, frozen head, engine
     torch.manual_seed(cfg.seed)
     drafter = DFlashDrafter(draft_config)
+    if cfg.init == "target":
+        first = tc.num_hidden_layers - cfg.num_draft_layers
+        wanted = tuple(f".layers.{j}." for j in range(first, tc.num_hidden_layers))
+        tensors = read_target_tensors(cfg.target, lambda n: n.endswith("norm.weight") or any(w in n for w in wanted))
+        drafter.init_from_target(tensors, prefix=_layer_prefix(tensors))
+    elif cfg.init != "random":
+        raise ValueError(f"train.init must be 'random' or 'target', got {cfg.init!r}")
     head = load_frozen_head(cfg.target, dtype=dtype).to(device)
     engine, scheduler = build_engine(
         drafter, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas,
@@ -201,7 +229,7 @@ def train(cfg: TrainConfig) -> dict:
         with torch.no_grad():
             for mbs in heldout.steps[: cfg.eval_batches]:
                 for idx in mbs:
-                    batch = data.batch(idx, 0).to(device, dtype)
+                    batch = eval_data.batch(idx, 0).to(device, dtype)
                     loss, stats = forward_loss(engine, head, batch, block_size=cfg.block_size, attention=attention, ce_chunk=cfg.ce_chunk)
                     loss_sum += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
                     vec += _stats_vector(stats)
