@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
@@ -143,10 +144,53 @@ def resolve_dtype(name: str, device) -> torch.dtype:
     return dtype
 
 
+EXACT_ATTENTION = "rowwise_exact"
+_ROWWISE_MAX_QUERIES = 64  # longer query blocks are prefills, which every method runs alike
+
+
+def _visible(mask):
+    """None when an SDPA mask hides nothing (so the call takes the same path as an unmasked one)."""
+    if mask is None or (mask.dtype == torch.bool and bool(mask.all())) or (mask.dtype != torch.bool and not bool((mask < 0).any())):
+        return None
+    return mask
+
+
+def rowwise_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Causal attention one query row at a time, each row over exactly the keys a one-token decode step at
+    that position sees, through the same SDPA call. A k-token verify forward then gives bit for bit the
+    logits of k one-token forwards (linear layers are row-independent), whatever the dtype."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if q_len > _ROWWISE_MAX_QUERIES:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    rows = []
+    for i in range(q_len):
+        end = kv_len - (q_len - 1 - i)
+        mask = None if attention_mask is None else _visible(attention_mask[:, :, i : i + 1, :end])
+        rows.append(F.scaled_dot_product_attention(  # contiguous: the same memory layout as a decode step's
+            query[:, :, i : i + 1].contiguous(), key[:, :, :end].contiguous(), value[:, :, :end].contiguous(),
+            attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
+        ))
+    return torch.cat(rows, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _register_exact_attention() -> None:
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(EXACT_ATTENTION, rowwise_attention)
+    AttentionMaskInterface.register(EXACT_ATTENTION, sdpa_mask)
+
+
+_register_exact_attention()
+
+
 def exact_attention(dtype: torch.dtype, device) -> str:
-    """The attention kernel for verification. On CPU, SDPA gives a 16-token bf16 forward logits that
-    differ from 16 one-token forwards (argmax flips: not lossless); eager attention is bit-identical."""
-    return "eager" if torch.device(device).type == "cpu" and dtype != torch.float32 else "sdpa"
+    """The attention kernel for verification. On CPU in bf16, neither SDPA nor eager attention gives a
+    k-token forward the logits of k one-token forwards (argmax flips after a few hundred tokens: not
+    lossless); the row-wise attention does. fp32 and CUDA keep SDPA."""
+    return EXACT_ATTENTION if torch.device(device).type == "cpu" and dtype != torch.float32 else "sdpa"
 
 
 def load_target(name_or_path: str, dtype: torch.dtype = torch.float32, device="cpu", trust_remote_code: bool = False,
