@@ -145,7 +145,6 @@ def resolve_dtype(name: str, device) -> torch.dtype:
 
 
 EXACT_ATTENTION = "rowwise_exact"
-_ROWWISE_MAX_QUERIES = 64  # longer query blocks are prefills, which every method runs alike
 
 
 def _visible(mask):
@@ -158,12 +157,9 @@ def _visible(mask):
 def rowwise_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Causal attention one query row at a time, each row over exactly the keys a one-token decode step at
     that position sees, through the same SDPA call. A k-token verify forward then gives bit for bit the
-    logits of k one-token forwards (linear layers are row-independent), whatever the dtype."""
+    logits of k one-token forwards, and a prefill does not depend on how the caller spells its causal
+    mask (transformers' generate passes one, the harness does not)."""
     q_len, kv_len = query.shape[2], key.shape[2]
-    if q_len > _ROWWISE_MAX_QUERIES:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     rows = []
     for i in range(q_len):
         end = kv_len - (q_len - 1 - i)
@@ -186,10 +182,34 @@ def _register_exact_attention() -> None:
 _register_exact_attention()
 
 
+def _row_padded_linear(self, x: torch.Tensor) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1]
+    if rows > self.exact_rows:  # a prefill: every method runs the same one
+        return F.linear(x, self.weight, self.bias)
+    flat = x.reshape(rows, x.shape[-1])
+    flat = torch.cat([flat, flat.new_zeros(self.exact_rows - rows, flat.shape[1])])
+    return F.linear(flat, self.weight, self.bias)[:rows].reshape(*x.shape[:-1], -1)
+
+
+def make_verification_exact(model, rows: int = 16):
+    """Make a k-token forward (k <= rows) give bit for bit the logits of k one-token forwards.
+
+    On CPU in bf16 neither holds by itself: a GEMM over 1 row and over 16 rows take different kernels
+    whose results differ in the last bit for some inputs, and so does attention over 1 vs k queries.
+    Every linear layer therefore runs on exactly `rows` rows (zero-padded; on AMX a 16-row bf16 GEMM
+    costs what a 1-row one does) and attention goes row by row (`rowwise_attention`). Linear layers over
+    more rows (prefills, the same for every method) take the normal path."""
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            module.exact_rows = rows
+            module.forward = _row_padded_linear.__get__(module)
+    model.config._attn_implementation = EXACT_ATTENTION
+    return model
+
+
 def exact_attention(dtype: torch.dtype, device) -> str:
-    """The attention kernel for verification. On CPU in bf16, neither SDPA nor eager attention gives a
-    k-token forward the logits of k one-token forwards (argmax flips after a few hundred tokens: not
-    lossless); the row-wise attention does. fp32 and CUDA keep SDPA."""
+    """The attention kernel for verification: row-wise (with `make_verification_exact`) on CPU in bf16,
+    where SDPA and eager attention flip argmaxes after a few hundred tokens; SDPA for fp32 and CUDA."""
     return EXACT_ATTENTION if torch.device(device).type == "cpu" and dtype != torch.float32 else "sdpa"
 
 
