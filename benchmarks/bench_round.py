@@ -20,9 +20,10 @@ import torch
 from flashdraft.prompts import load_prompts
 from flashdraft.target import (
     chat_input_ids,
-    exact_attention,
     frozen_head_from_model,
     load_target,
+    make_verification_exact,
+    needs_exact_verification,
     resolve_dtype,
     stop_token_ids,
 )
@@ -41,8 +42,10 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = resolve_dtype(args.dtype, "cpu")
-    target, tokenizer = load_target("smollm2-135m", dtype=dtype, attn_implementation=exact_attention(dtype, "cpu"))
+    target, tokenizer = load_target("smollm2-135m", dtype=dtype)
     drafter, _ = load_drafter(None, target, tokenizer, allow_untrained=True, block_size=args.block_size)
+    if needs_exact_verification(dtype, "cpu"):  # as the harness does
+        make_verification_exact(target, rows=max(16, args.block_size))
     proposer = DrafterProposer(drafter, frozen_head_from_model(target))
     stop = stop_token_ids(target, tokenizer)
     prompts = [chat_input_ids(tokenizer, list(r.messages)) for r in load_prompts("humaneval", split="heldout", limit=args.prompts)]

@@ -207,21 +207,20 @@ def make_verification_exact(model, rows: int = 16):
     return model
 
 
-def exact_attention(dtype: torch.dtype, device) -> str:
-    """The attention kernel for verification: row-wise (with `make_verification_exact`) on CPU in bf16,
-    where SDPA and eager attention flip argmaxes after a few hundred tokens; SDPA for fp32 and CUDA."""
-    return EXACT_ATTENTION if torch.device(device).type == "cpu" and dtype != torch.float32 else "sdpa"
+def needs_exact_verification(dtype: torch.dtype, device) -> bool:
+    """CPU in bf16/fp16: SDPA and eager attention flip argmaxes after a few hundred tokens there, so the
+    target needs `make_verification_exact`; fp32 and CUDA keep plain SDPA."""
+    return torch.device(device).type == "cpu" and dtype != torch.float32
 
 
-def load_target(name_or_path: str, dtype: torch.dtype = torch.float32, device="cpu", trust_remote_code: bool = False,
-                attn_implementation: str = "sdpa"):
+def load_target(name_or_path: str, dtype: torch.dtype = torch.float32, device="cpu", trust_remote_code: bool = False):
     """Load (model, tokenizer), model in eval mode with gradients off."""
     from transformers import AutoModelForCausalLM
 
     path = _resolve_reachable(name_or_path)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
+            path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa"
         )
     except OSError as e:
         raise OSError(f"cannot load target {name_or_path!r}: {e}") from e

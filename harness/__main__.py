@@ -17,7 +17,15 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from flashdraft.target import EXACT_ATTENTION, exact_attention, frozen_head_from_model, make_verification_exact, load_target, resolve_dtype, stop_token_ids, target_fingerprint
+from flashdraft.target import (
+    frozen_head_from_model,
+    load_target,
+    make_verification_exact,
+    needs_exact_verification,
+    resolve_dtype,
+    stop_token_ids,
+    target_fingerprint,
+)
 from harness.evaluate import (
     UNTRAINED_WARNING,
     DecodeSettings,
@@ -71,9 +79,7 @@ def run(cfg: DictConfig) -> dict:
         torch.set_num_threads(int(e.num_threads))
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(m.dtype, device)
-    attention = exact_attention(dtype, device)
-    target, tokenizer = load_target(m.target, dtype=dtype, device=device, trust_remote_code=cfg.trust_remote_code,
-                                    attn_implementation="sdpa" if attention == EXACT_ATTENTION else attention)
+    target, tokenizer = load_target(m.target, dtype=dtype, device=device, trust_remote_code=cfg.trust_remote_code)
     methods = list(e.methods)
     proposer, untrained, drafter_path, block_size = None, False, None, 1
     if "dflash" in methods:
@@ -87,7 +93,7 @@ def run(cfg: DictConfig) -> dict:
         block_size = e.block_size or drafter.block_size
         if untrained:
             print(f"\n{'!' * 100}\n!!! {UNTRAINED_WARNING}\n{'!' * 100}\n", file=sys.stderr, flush=True)
-    if attention == EXACT_ATTENTION:  # every verify forward no longer than `rows` tokens
+    if needs_exact_verification(dtype, device):  # every verify forward no longer than `rows` tokens
         make_verification_exact(target, rows=max(16, block_size, int(e.prompt_lookup_num_tokens) + 1))
     settings = DecodeSettings(
         max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p, top_k=e.top_k,

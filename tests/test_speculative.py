@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from flashdraft.model import DFlashDrafter, make_draft_config
-from flashdraft.target import cpu_has_bf16_tiles, exact_attention, frozen_head_from_model, make_verification_exact
+from flashdraft.target import EXACT_ATTENTION, cpu_has_bf16_tiles, frozen_head_from_model, make_verification_exact, needs_exact_verification
 from harness.prompt_lookup import prompt_lookup_generate
 from harness.speculative import DrafterProposer, speculative_generate
 
@@ -286,7 +286,7 @@ def test_bf16_on_cpu_is_lossless_with_exact_verification(arch):
     forward gives the logits of one-token forwards bit for bit at every context length, so speculative
     output equals plain decoding token for token."""
     target = make_verification_exact(tiny_target(arch).to(torch.bfloat16), rows=16)
-    assert exact_attention(torch.bfloat16, "cpu") == target.config._attn_implementation
+    assert needs_exact_verification(torch.bfloat16, "cpu") and target.config._attn_implementation == EXACT_ATTENTION
     ids = torch.randint(0, VOCAB - 2, (1, 200), generator=torch.Generator().manual_seed(3))
     for start in range(70, 184, 3):
         out = target(ids[:, :start], use_cache=True)
