@@ -147,11 +147,16 @@ def resolve_dtype(name: str, device) -> torch.dtype:
 EXACT_ATTENTION = "rowwise_exact"
 
 
-def _visible(mask):
-    """None when an SDPA mask hides nothing (so the call takes the same path as an unmasked one)."""
-    if mask is None or (mask.dtype == torch.bool and bool(mask.all())) or (mask.dtype != torch.bool and not bool((mask < 0).any())):
-        return None
-    return mask
+def _rows_hiding_keys(mask, q_len: int, kv_len: int) -> list[bool]:
+    """Per query row i: does the SDPA mask hide any of the keys [0, end_i) that row may see? Rows that hide
+    none take the unmasked call a decode step takes."""
+    if mask is None:
+        return [False] * q_len
+    visible = mask if mask.dtype == torch.bool else mask >= 0
+    visible = visible.expand(-1, -1, q_len, kv_len).all(dim=1)  # over heads: [b, q, kv]
+    ends = torch.arange(kv_len - q_len + 1, kv_len + 1, device=visible.device)
+    seen = torch.arange(kv_len, device=visible.device)[None] < ends[:, None]  # [q, kv]: the keys row i may see
+    return (~visible & seen).any(dim=-1).any(dim=0).tolist()
 
 
 def rowwise_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -160,13 +165,14 @@ def rowwise_attention(module, query, key, value, attention_mask, scaling=None, d
     logits of k one-token forwards, and a prefill does not depend on how the caller spells its causal
     mask (transformers' generate passes one, the harness does not)."""
     q_len, kv_len = query.shape[2], key.shape[2]
+    hiding = _rows_hiding_keys(attention_mask, q_len, kv_len)
     rows = []
     for i in range(q_len):
         end = kv_len - (q_len - 1 - i)
-        mask = None if attention_mask is None else _visible(attention_mask[:, :, i : i + 1, :end])
-        rows.append(F.scaled_dot_product_attention(  # contiguous: the same memory layout as a decode step's
-            query[:, :, i : i + 1].contiguous(), key[:, :, :end].contiguous(), value[:, :, :end].contiguous(),
-            attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
+        rows.append(F.scaled_dot_product_attention(  # views, not copies: the kernel reads by strides alike
+            query[:, :, i : i + 1], key[:, :, :end], value[:, :, :end],
+            attn_mask=attention_mask[:, :, i : i + 1, :end] if hiding[i] else None,
+            scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
         ))
     return torch.cat(rows, dim=2).transpose(1, 2).contiguous(), None
 

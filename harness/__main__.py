@@ -37,6 +37,7 @@ from harness.evaluate import (
 )
 from harness.pictures import acceptance_lengths_by_source, plot_acceptance, plot_training
 from harness.report import TIMING_NOTE, methods_table, write_report
+from harness.replay import replay_tau
 from harness.speculative import DrafterProposer
 from harness.training_log import parity_line, read_metrics, train_serve_parity
 
@@ -47,7 +48,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def add_pictures_and_parity(report: dict, records: list[dict], out_dir: Path, metrics_path, block_size: int) -> None:
+def add_pictures_and_parity(report: dict, records: list[dict], out_dir: Path, metrics_path, block_size: int, replay: dict | None = None) -> None:
     """Draws acceptance.png and training.png into out_dir, and sets report["pictures"] (their names, for
     report.md) and report["train_serve_parity"] (None without trainer metrics or a trained drafter)."""
     untrained = report["settings"]["untrained_drafter"]
@@ -67,7 +68,7 @@ def add_pictures_and_parity(report: dict, records: list[dict], out_dir: Path, me
             print(f"training.png skipped: {metrics_path} has no train or eval rows")
     except Exception as error:
         print(f"pictures incomplete ({', '.join(pictures) or 'none'} drawn): {error!r}", file=sys.stderr)
-    parity = train_serve_parity(rows, served_tau)
+    parity = train_serve_parity(rows, served_tau, draft_cutoff=report["settings"].get("draft_cutoff") or 0.0, replay=replay)
     if parity:
         parity["metrics"] = str(metrics_path)
     report["pictures"], report["train_serve_parity"] = pictures, parity
@@ -97,7 +98,8 @@ def run(cfg: DictConfig) -> dict:
         make_verification_exact(target, rows=max(16, block_size, int(e.prompt_lookup_num_tokens) + 1))
     settings = DecodeSettings(
         max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p, top_k=e.top_k,
-        block_size=block_size, prompt_lookup_num_tokens=e.prompt_lookup_num_tokens, seed=e.seed,
+        block_size=block_size, prompt_lookup_num_tokens=e.prompt_lookup_num_tokens,
+        draft_cutoff=float(e.get("draft_cutoff") or 0.0), seed=e.seed,
     )
     prompts = build_prompts(
         tokenizer, OmegaConf.to_object(e.prompts) if OmegaConf.is_config(e.prompts) else e.prompts,
@@ -131,6 +133,7 @@ def run(cfg: DictConfig) -> dict:
             "top_k": e.top_k,
             "block_size": block_size,
             "prompt_lookup_num_tokens": e.prompt_lookup_num_tokens,
+            "draft_cutoff": settings.draft_cutoff,
             "methods": methods,
             "seed": e.seed,
             "device": str(device),
@@ -151,12 +154,17 @@ def run(cfg: DictConfig) -> dict:
     }
     if untrained:
         report["warning"] = UNTRAINED_WARNING
-    add_pictures_and_parity(report, records, out_dir, e.get("metrics"), block_size)
+    replay = None
+    store = e.get("replay_store")
+    if proposer is not None and not untrained and e.temperature == 0 and store and Path(store, "manifest.json").is_file():
+        replay = replay_tau(proposer, store, [p.seq_id for p in prompts], max_new_tokens=e.max_new_tokens, draft_cutoff=settings.draft_cutoff)
+    add_pictures_and_parity(report, records, out_dir, e.get("metrics"), block_size, replay)
     json_path, md_path = write_report(report, out_dir)
     print(("\n!!! " + UNTRAINED_WARNING + "\n" if untrained else "") + "\n" + methods_table(report["methods"]))
     if "dflash" in methods:
         d = report["methods"]["dflash"]
-        print(f"dflash acceptance histogram {json.dumps(d['acceptance_histogram'])}; round ms "
+        verified = "" if d.get("verified_drafts") is None else f"; drafts verified per round {d['verified_drafts']:.2f}"
+        print(f"dflash acceptance histogram {json.dumps(d['acceptance_histogram'])}{verified}; round ms "
               + ", ".join(f"{k} {v:.1f}" for k, v in d["round_ms"].items()))
     if parity := report["train_serve_parity"]:
         print(parity_line(parity) + (f"\n  {parity['explanation']}" if parity["explanation"] else ""))

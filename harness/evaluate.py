@@ -40,6 +40,7 @@ class EvalPrompt:
     source: str
     record_id: str
     input_ids: list[int]
+    seq_id: str = ""  # the record's id in feature stores (flashdraft.prompts.sequence_id)
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class DecodeSettings:
     top_k: int = 0
     block_size: int | None = None  # None: the drafter's
     prompt_lookup_num_tokens: int = 10
+    draft_cutoff: float = 0.0  # dflash: verify the draft prefix of cumulative draft probability >= this (0: all)
     seed: int = 0
 
 
@@ -62,7 +64,7 @@ def build_prompts(tokenizer, sources, *, split="heldout", limit=None, system_pro
             raise ValueError(f"prompt source {source!r} has no {split!r} prompts")
         for r in records:
             ids = chat_input_ids(tokenizer, list(r.messages), enable_thinking=enable_thinking, system_prompt=system_prompt)
-            prompts.append(EvalPrompt(r.source, r.record_id, ids))
+            prompts.append(EvalPrompt(r.source, r.record_id, ids, r.seq_id))
     return prompts
 
 
@@ -118,7 +120,10 @@ def run_method(method, target, prompt: EvalPrompt, settings: DecodeSettings, *, 
     if method == "plain":
         return speculative_generate(target, prompt.input_ids, block_size=1, generator=generator, **common)
     if method == "dflash":
-        return speculative_generate(target, prompt.input_ids, proposer=proposer, block_size=settings.block_size, generator=generator, **common)
+        return speculative_generate(
+            target, prompt.input_ids, proposer=proposer, block_size=settings.block_size, generator=generator,
+            draft_cutoff=settings.draft_cutoff, **common,
+        )
     raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
 
 
@@ -140,7 +145,7 @@ def evaluate(target, prompts, settings: DecodeSettings, *, methods=METHODS, prop
     log = open(log_path, "a") if log_path else None
     try:
         for i, prompt in enumerate(prompts):
-            record = {"source": prompt.source, "record_id": prompt.record_id, "prompt_tokens": len(prompt.input_ids), "methods": {}}
+            record = {"source": prompt.source, "record_id": prompt.record_id, "seq_id": prompt.seq_id, "prompt_tokens": len(prompt.input_ids), "methods": {}}
             for method in methods:
                 bar.set_postfix_str(f"{prompt.source}/{prompt.record_id} {method}")
                 g = run_method(method, target, prompt, settings, proposer=proposer, stop_token_ids=stop_token_ids, seed=settings.seed + i)
@@ -149,6 +154,7 @@ def evaluate(target, prompts, settings: DecodeSettings, *, methods=METHODS, prop
                     "prefill_s": g.prefill_s,
                     "decode_s": g.decode_s,
                     "acceptance_lengths": g.acceptance_lengths,
+                    "verified_drafts": g.verified_drafts,
                     "draft_s": sum(g.draft_s),
                     "verify_s": sum(g.verify_s),
                     "bookkeeping_s": sum(g.bookkeeping_s),
@@ -194,6 +200,8 @@ def method_summary(records, method, *, greedy: bool, block_size: int | None = No
         counts = Counter(rounds)
         summary["acceptance_histogram"] = {str(k): counts.get(k, 0) for k in range(1, (block_size or max(rounds, default=1)) + 1)}
         n = max(len(rounds), 1)
+        verified = [v for run in runs for v in run.get("verified_drafts", [])]
+        summary["verified_drafts"] = sum(verified) / len(verified) if verified else None
         summary["round_ms"] = {part: 1000 * sum(run[f"{part}_s"] for run in runs) / n for part in ("draft", "verify", "bookkeeping")}
     return summary
 

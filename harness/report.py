@@ -71,7 +71,9 @@ def render_markdown(report: dict) -> str:
             "| " + " | ".join(f"{c} ({100 * c / total:.0f}%)" for c in hist.values()) + " |",
             "",
             "Mean round time: " + ", ".join(f"{k} {v:.2f} ms" for k, v in d["round_ms"].items())
-            + f" (total {sum(d['round_ms'].values()):.2f} ms over {d['rounds']} rounds)",
+            + f" (total {sum(d['round_ms'].values()):.2f} ms over {d['rounds']} rounds)"
+            + (f"; drafts verified per round {d['verified_drafts']:.2f}" if d.get("verified_drafts") is not None else "")
+            + (f" (eval.draft_cutoff {cutoff})" if (cutoff := report.get("settings", {}).get("draft_cutoff")) else ""),
             "",
         ]
     pictures = report.get("pictures") or {}
@@ -84,9 +86,10 @@ def render_markdown(report: dict) -> str:
         out += [
             "Train/serve parity:",
             "",
-            f"| offline tau (trainer's held-out eval, step {parity['offline_step']}) | served DFlash tau (this eval) | relative gap |",
-            "|---|---|---|",
-            f"| {parity['offline_tau']:.3f} | {parity['served_tau']:.3f} | {100 * parity['relative_gap']:+.1f}% |",
+            f"| offline tau (trainer's held-out eval, step {parity['offline_step']}) | served-order replay on the stored responses | served DFlash tau (this eval) | relative gap |",
+            "|---|---|---|---|",
+            f"| {parity['offline_tau']:.3f} | {'-' if not parity.get('replay_tau') else format(parity['replay_tau'], '.3f')} "
+            f"| {parity['served_tau']:.3f} | {100 * parity['relative_gap']:+.1f}% |",
             "",
             f"Trainer metrics: `{parity['metrics']}`." + (f" The gap exceeds {PARITY_TOLERANCE:.0%}: {parity['explanation']}" if parity["explanation"] else ""),
             "",

@@ -57,6 +57,7 @@ class Generation:
     num_prompt_tokens: int
     block_size: int
     acceptance_lengths: list[int] = field(default_factory=list)  # committed tokens per round (max B)
+    verified_drafts: list[int] = field(default_factory=list)  # drafts the target checked per round
     prefill_s: float = 0.0  # the prompt forward that emits the first token
     decode_s: float = 0.0  # everything after the prefill
     draft_s: list[float] = field(default_factory=list)  # per round
@@ -73,6 +74,15 @@ class Generation:
     def tau(self) -> float | None:
         """Mean tokens committed per target forward after the prefill."""
         return self.decode_tokens / len(self.acceptance_lengths) if self.acceptance_lengths else None
+
+
+def verified_prefix(draft_logits: torch.Tensor, cutoff: float) -> int:
+    """How many leading draft positions have a cumulative confidence (top draft probability at
+    temperature 1) of at least `cutoff`. The rule looks at the draft distributions only, never at the
+    drawn tokens: choosing by a drawn token's own probability would bias which drafts reach the
+    acceptance test and break the target distribution when sampling."""
+    confidence = torch.softmax(draft_logits.float(), dim=-1).amax(dim=-1)
+    return int((torch.cumprod(confidence, 0) >= cutoff).sum())
 
 
 def clock(device: torch.device) -> float:
@@ -103,13 +113,20 @@ def speculative_generate(
     top_k: int = 0,
     block_size: int | None = None,
     generator: torch.Generator | None = None,
+    draft_cutoff: float = 0.0,
 ) -> Generation:
     """Generate up to `max_new_tokens` after `input_ids` (list or [1, n] tensor).
 
     `proposer` is a DrafterProposer (or any callable of the same shape); without one, or with
     block_size 1, this is plain decoding with a KV cache. Returns a Generation with the tokens,
-    per-round acceptance lengths and per-round draft / verify / bookkeeping wall time."""
+    per-round acceptance lengths and per-round draft / verify / bookkeeping wall time.
+
+    `draft_cutoff` > 0 verifies only the longest draft prefix whose cumulative draft confidence is
+    at least `draft_cutoff` (0 verifies the whole block, as the reference does). Any prefix keeps
+    the output exact; a shorter verify forward is cheaper where its cost grows with its length (CPU)."""
     check_sampling(temperature, top_p, top_k)
+    if not 0.0 <= draft_cutoff <= 1.0:
+        raise ValueError(f"draft_cutoff must be in [0, 1], got {draft_cutoff}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     block_size = block_size or (proposer.block_size if proposer is not None else 1)
@@ -166,6 +183,12 @@ def speculative_generate(
                 block[0, 1:] = sample(draft_probs, generator)
             else:
                 block[0, 1:] = draft_logits.argmax(dim=-1)
+            if draft_cutoff > 0:
+                size = 1 + verified_prefix(draft_logits, draft_cutoff)
+                block = block[:, :size]
+                if temperature > 0:
+                    draft_probs = draft_probs[: size - 1]
+        result.verified_drafts.append(size - 1)
         t1 = clock(device)
         out = target(
             block, position_ids=positions[:, start : start + size], **kv, use_cache=True,

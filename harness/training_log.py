@@ -39,23 +39,44 @@ def last_eval_tau(rows) -> tuple[int, float] | None:
     return evals[-1] if evals else None
 
 
-def train_serve_parity(rows, served_tau: float | None) -> dict | None:
+CUTOFF_REASON = (
+    "The harness verified only confident draft prefixes (eval.draft_cutoff > 0), which caps served tau below "
+    "what the whole block would reach; compare with eval.draft_cutoff=0."
+)
+
+
+def train_serve_parity(rows, served_tau: float | None, *, draft_cutoff: float = 0.0, replay: dict | None = None) -> dict | None:
     """Offline tau (last eval/tau) vs served DFlash tau, with the relative gap (served - offline) / offline;
-    None when either is missing."""
+    None when either is missing. `replay` (harness.replay.replay_tau on the eval prompts' store) splits a
+    large gap into where blocks start (offline -> replay) and everything else (replay -> served)."""
     last = last_eval_tau(rows)
     if last is None or served_tau is None:
         return None
     step, offline_tau = last
     gap = (served_tau - offline_tau) / offline_tau
+    replay_tau = (replay or {}).get("tau")
+    explanation = None
+    if abs(gap) > PARITY_TOLERANCE:
+        parts = [PARITY_REASONS] + [CUTOFF_REASON] * (draft_cutoff > 0)
+        if replay_tau:
+            parts.append(
+                f"Replaying the served rounds offline on the stored responses of the same prompts gives tau {replay_tau:.3f}: "
+                f"block starts account for {100 * (replay_tau - offline_tau) / offline_tau:+.1f}%, and serving itself (live "
+                f"features, responses that part from the stored ones) for {100 * (served_tau - replay_tau) / replay_tau:+.1f}%."
+            )
+        explanation = " ".join(parts)
     return {
         "offline_tau": offline_tau,
         "offline_step": step,
         "served_tau": served_tau,
         "relative_gap": gap,
-        "explanation": PARITY_REASONS if abs(gap) > PARITY_TOLERANCE else None,
+        "replay_tau": replay_tau,
+        "replay_prompts": (replay or {}).get("prompts"),
+        "explanation": explanation,
     }
 
 
 def parity_line(parity: dict) -> str:
+    replay = "" if not parity.get("replay_tau") else f", served-order replay on the stored responses {parity['replay_tau']:.3f}"
     return (f"train/serve parity: offline tau {parity['offline_tau']:.3f} (trainer's held-out eval, step "
-            f"{parity['offline_step']}) vs served dflash tau {parity['served_tau']:.3f}: gap {100 * parity['relative_gap']:+.1f}%")
+            f"{parity['offline_step']}){replay} vs served dflash tau {parity['served_tau']:.3f}: gap {100 * parity['relative_gap']:+.1f}%")

@@ -85,10 +85,12 @@ def test_trained_drafter_is_loaded_and_sampling_runs(target_dir, tmp_path):
     drafter = tiny_drafter(tiny_target("llama", vocab=320), block_size=8, mask_token_id=310, layers=1)
     drafter.save_pretrained(tmp_path / "drafter")
     cfg = compose_config(overrides(target_dir, tmp_path, f"eval.drafter={tmp_path / 'drafter'}", "eval.allow_untrained=false",
-                                   "eval.temperature=0.8", "eval.top_k=20", "eval.methods=[plain,dflash]", "eval.prompts=mtbench"))
+                                   "eval.temperature=0.8", "eval.top_k=20", "eval.methods=[plain,dflash]", "eval.prompts=mtbench",
+                                   "eval.draft_cutoff=0.01"))
     report = run(cfg)
     s = report["settings"]
     assert s["untrained_drafter"] is False and s["drafter"] == str(tmp_path / "drafter") and s["block_size"] == 8
+    assert s["draft_cutoff"] == 0.01 and 0 <= report["methods"]["dflash"]["verified_drafts"] < 7
     assert report["methods"].keys() == {"plain", "dflash"} and report["methods"]["dflash"]["lossless"] is None
     assert "warning" not in report
 

@@ -92,6 +92,9 @@ def test_report_links_pictures_and_shows_parity(tmp_path):
     parity = {**train_serve_parity(rows, 1.2), "metrics": "runs/x/train/metrics.jsonl"}
     md = render_markdown(minimal_report(pictures={"acceptance": "acceptance.png", "training": "training.png"}, train_serve_parity=parity))
     assert "](acceptance.png)" in md and "](training.png)" in md
-    assert "step 30" in md and "| 1.600 | 1.200 | -25.0% |" in md and PARITY_REASONS in md and "runs/x/train/metrics.jsonl" in md
+    assert "step 30" in md and "| 1.600 | - | 1.200 | -25.0% |" in md and PARITY_REASONS in md and "runs/x/train/metrics.jsonl" in md
+    replayed = {**train_serve_parity(rows, 1.2, replay={"tau": 1.25, "prompts": 1}), "metrics": "m"}
+    md = render_markdown(minimal_report(pictures={}, train_serve_parity=replayed))
+    assert "| 1.600 | 1.250 | 1.200 | -25.0% |" in md and "block starts account for -21.9%" in md and "for -4.0%" in md
     plain = render_markdown(minimal_report())  # a report from before pictures, or with none drawn
     assert ".png" not in plain and "parity" not in plain

@@ -146,6 +146,25 @@ def test_greedy_lossless_with_drafter(setup, block_size):
         assert max(accepted) == block_size if block_size == 2 else max(accepted) > 2
 
 
+@pytest.mark.parametrize("cutoff", [1e-4, 0.05])  # the tiny drafter is unsure: 0.05 verifies no draft
+def test_draft_cutoff_verifies_a_confident_prefix_and_stays_lossless(setup, cutoff):
+    target, drafter, prompts, plain = setup
+    proposer = DrafterProposer(drafter, frozen_head_from_model(target))
+    full = [speculative_generate(target, p, max_new_tokens=32, proposer=proposer) for p in prompts]
+    cut = [speculative_generate(target, p, max_new_tokens=32, proposer=proposer, draft_cutoff=cutoff) for p in prompts]
+    assert [g.tokens for g in cut] == plain
+    verified = [v for g in cut for v in g.verified_drafts]
+    assert all(a <= v + 1 for g in cut for a, v in zip(g.acceptance_lengths, g.verified_drafts))
+    assert sum(verified) < sum(v for g in full for v in g.verified_drafts)
+    assert all(g.verified_drafts[0] == 15 for g in full)  # without a cutoff the whole block is verified
+    if cutoff < 1e-3:  # confident drafts still get verified and accepted
+        assert max(a for g in cut for a in g.acceptance_lengths) > 1
+    else:  # no draft verified: every round is a plain step
+        assert set(verified) == {0}
+    with pytest.raises(ValueError, match="draft_cutoff"):
+        speculative_generate(target, prompts[0], max_new_tokens=4, proposer=proposer, draft_cutoff=1.5)
+
+
 @pytest.mark.parametrize("block_size", [2, 5, 8, 16])
 def test_commit_logic_with_oracle_drafts(block_size):
     target = tiny_target("qwen3", seed=3)

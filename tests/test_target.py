@@ -92,3 +92,22 @@ def test_mask_token_choice(smol_tokenizer):
 def test_unreachable_hub_target_fails_fast():
     with pytest.raises(OSError, match="neither a local folder nor reachable"):
         load_target("Qwen/Qwen3-8B")
+
+
+def test_rowwise_attention_equals_masked_sdpa_and_skips_masks_that_hide_nothing():
+    from flashdraft.target import _rows_hiding_keys, rowwise_attention
+
+    g = torch.Generator().manual_seed(0)
+    b, heads, kv_heads, q_len, kv_len, d = 2, 4, 2, 5, 12, 8
+    q = torch.randn(b, heads, q_len, d, generator=g)
+    k, v = torch.randn(b, kv_heads, kv_len, d, generator=g), torch.randn(b, kv_heads, kv_len, d, generator=g)
+    causal = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)[None, None].expand(b, 1, -1, -1)
+    assert _rows_hiding_keys(None, q_len, kv_len) == [False] * q_len
+    assert _rows_hiding_keys(causal, q_len, kv_len) == [False] * q_len  # causal only: every row unmasked
+    padded = causal.clone()
+    padded[1, :, :, :2] = False  # the second sequence is left-padded by two tokens
+    assert _rows_hiding_keys(padded, q_len, kv_len) == [True] * q_len
+    for mask in (causal, padded, torch.where(padded, 0.0, float("-inf"))):
+        out, _ = rowwise_attention(None, q, k, v, mask, scaling=d**-0.5)
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=d**-0.5, enable_gqa=True)
+        torch.testing.assert_close(out, want.transpose(1, 2))

@@ -1,0 +1,62 @@
+"""Served-order replay: the served loop's rounds, run offline on a feature store's stored responses.
+
+The trainer's offline tau anchors blocks at random response positions; a served round starts wherever
+the previous one stopped. Replay walks each stored response as the harness would serve it greedily —
+the first block starts at the first response token, context features are the stored ones, and each
+round advances by the accepted drafts plus one — without running the target. Replay tau equals the
+served tau exactly when the stored responses are the served output and the stored features are the
+served ones; so offline vs replay isolates where blocks start, replay vs served isolates numerics and
+responses that differ from the stored ones.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashdraft.store import StoreReader
+
+
+@torch.inference_mode()
+def replay_acceptance(proposer, store: StoreReader, seq_id: str, *, max_new_tokens: int, draft_cutoff: float = 0.0) -> list[int]:
+    """Committed tokens per round when the stored response of `seq_id` is served greedily by `proposer`
+    (a DrafterProposer) with at most `max_new_tokens` new tokens, as `speculative_generate` counts them."""
+    from harness.speculative import verified_prefix
+
+    seq = store.read(store.index(seq_id), layers=proposer.layer_ids)
+    ids = torch.as_tensor(seq.input_ids)
+    response = seq.loss_mask.nonzero()[0]
+    if len(response) == 0:
+        return []
+    device, dtype = proposer.head.lm_head.weight.device, proposer.head.lm_head.weight.dtype
+    features = seq.features.to(device=device, dtype=dtype)[None]
+    first = int(response[0])  # the token the prefill emits: the first block starts there
+    limit = first + max_new_tokens  # served blocks shrink only here, not at the stop token
+    end = min(len(ids), limit)
+    proposer.start()
+    lengths, start, context_from = [], first, 0
+    while start + 1 < end:
+        size = min(proposer.block_size, limit - start)
+        block = torch.full((1, size), proposer.mask_token_id, dtype=torch.long, device=device)
+        block[0, 0] = ids[start]
+        logits = proposer(block, features[:, context_from:start], start)
+        if draft_cutoff > 0:
+            size = 1 + verified_prefix(logits, draft_cutoff)
+        truth = ids[start + 1 : min(start + size, end)]
+        drafts = logits.argmax(dim=-1)[: len(truth)].cpu()
+        wrong = (drafts != truth).nonzero()
+        accepted = int(wrong[0, 0]) if len(wrong) else len(truth)
+        produced = min(accepted + 1, end - start - 1)
+        lengths.append(produced)
+        context_from, start = start, start + produced
+    return lengths
+
+
+def replay_tau(proposer, store_path, seq_ids, *, max_new_tokens: int, draft_cutoff: float = 0.0) -> dict | None:
+    """Replay over the eval prompts found in the store: {"tau", "prompts", "missing"}; None when none is there."""
+    store = StoreReader(store_path)
+    present = set(store.seq_ids)
+    found = [s for s in seq_ids if s in present]
+    if not found:
+        return None
+    rounds = [n for s in found for n in replay_acceptance(proposer, store, s, max_new_tokens=max_new_tokens, draft_cutoff=draft_cutoff)]
+    return {"tau": sum(rounds) / len(rounds) if rounds else None, "prompts": len(found), "missing": len(seq_ids) - len(found)}
