@@ -189,12 +189,17 @@ _register_exact_attention()
 
 
 def _row_padded_linear(self, x: torch.Tensor) -> torch.Tensor:
+    """F.linear on tiles of exactly `exact_rows` rows (the last one zero-padded), so that a row's result does not
+    depend on how many rows came with it: a prefill that also carries draft candidates (transformers' prompt
+    lookup) gives the logits of one-token forwards too."""
     rows = x.numel() // x.shape[-1]
-    if rows > self.exact_rows:  # a prefill: every method runs the same one
-        return F.linear(x, self.weight, self.bias)
+    tile = self.exact_rows
     flat = x.reshape(rows, x.shape[-1])
-    flat = torch.cat([flat, flat.new_zeros(self.exact_rows - rows, flat.shape[1])])
-    return F.linear(flat, self.weight, self.bias)[:rows].reshape(*x.shape[:-1], -1)
+    pad = -rows % tile
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad, flat.shape[1])])
+    out = torch.cat([F.linear(chunk, self.weight, self.bias) for chunk in flat.split(tile)]) if rows > tile else F.linear(flat, self.weight, self.bias)
+    return out[:rows].reshape(*x.shape[:-1], -1)
 
 
 def make_verification_exact(model, rows: int = 16):
@@ -203,8 +208,9 @@ def make_verification_exact(model, rows: int = 16):
     On CPU in bf16 neither holds by itself: a GEMM over 1 row and over 16 rows take different kernels
     whose results differ in the last bit for some inputs, and so does attention over 1 vs k queries.
     Every linear layer therefore runs on exactly `rows` rows (zero-padded; on AMX a 16-row bf16 GEMM
-    costs what a 1-row one does) and attention goes row by row (`rowwise_attention`). Linear layers over
-    more rows (prefills, the same for every method) take the normal path."""
+    costs what a 1-row one does) and attention goes row by row (`rowwise_attention`). Longer inputs (prefills)
+    run tile by tile, so they are exact too: transformers' prompt lookup verifies its first candidates inside
+    the prefill."""
     for module in model.modules():
         if isinstance(module, nn.Linear):
             module.exact_rows = rows

@@ -314,9 +314,36 @@ def test_bf16_on_cpu_is_lossless_with_exact_verification(arch):
         steps = [target(ids[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True).logits[0, -1]
                  for t in range(start, start + 16)]
         assert torch.equal(block, torch.stack(steps)), start
+    # a prefill longer than a tile (prompt lookup verifies candidates inside it) gives the one-token logits too
+    prefill = target(ids[:, :45], use_cache=True).logits[0]
+    out = target(ids[:, :1], use_cache=True)
+    steps = [out.logits[0, -1]] + [target(ids[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True).logits[0, -1]
+                                   for t in range(1, 45)]
+    assert torch.equal(prefill, torch.stack(steps))
     drafter = tiny_drafter(tiny_target(arch), block_size=8).to(torch.bfloat16)
     proposer = DrafterProposer(drafter, frozen_head_from_model(target))
     for p in random_prompts(6, seed=5):
         plain = speculative_generate(target, p, max_new_tokens=24).tokens
         assert speculative_generate(target, p, max_new_tokens=24, proposer=proposer).tokens == plain
         assert prompt_lookup_generate(target, p, max_new_tokens=24, num_lookup_tokens=4, pad_token_id=0).tokens == plain
+
+
+@pytest.mark.skipif(not cpu_has_bf16_tiles(), reason="bf16 serving is chosen by dtype=auto only on CPUs with AMX")
+def test_prompt_lookup_equals_plain_on_smollm2_in_bf16():
+    """The embedded target in bf16 on a prompt where transformers' prompt lookup, which verifies its first
+    candidates inside the prefill, once left plain output at token 11 (a prefill-sized GEMM vs 16-row tiles)."""
+    from flashdraft.target import EMBEDDED_NAME, load_target, stop_token_ids
+    from harness.evaluate import build_prompts
+
+    target, tokenizer = load_target(EMBEDDED_NAME, dtype=torch.bfloat16)
+    make_verification_exact(target, rows=16)
+    prompt = next(p for p in build_prompts(tokenizer, ["humaneval"], split="heldout") if p.record_id == "HumanEval/130")
+    stop = stop_token_ids(target, tokenizer)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # as the harness runs on two cores (one thread takes other GEMM kernels)
+    try:
+        plain = speculative_generate(target, prompt.input_ids, max_new_tokens=64, stop_token_ids=stop).tokens
+        lookup = prompt_lookup_generate(target, prompt.input_ids, max_new_tokens=64, stop_token_ids=stop, num_lookup_tokens=10)
+    finally:
+        torch.set_num_threads(threads)
+    assert lookup.tokens == plain
