@@ -43,7 +43,7 @@ def main() -> None:
     target, tokenizer = load_target("smollm2-135m", dtype=dtype)
     drafter = DFlashDrafter.from_pretrained(args.drafter, dtype=dtype)
     if needs_exact_verification(dtype, "cpu"):
-        make_verification_exact(target, rows=max(16, drafter.block_size))
+        make_verification_exact(target)
     proposer = DrafterProposer(drafter, frozen_head_from_model(target))
     stop = stop_token_ids(target, tokenizer)
     prompts = build_prompts(tokenizer, ["humaneval", "mtbench"], split="heldout", limit=args.limit)

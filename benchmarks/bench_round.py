@@ -45,7 +45,7 @@ def main() -> None:
     target, tokenizer = load_target("smollm2-135m", dtype=dtype)
     drafter, _ = load_drafter(None, target, tokenizer, allow_untrained=True, block_size=args.block_size)
     if needs_exact_verification(dtype, "cpu"):  # as the harness does
-        make_verification_exact(target, rows=max(16, args.block_size))
+        make_verification_exact(target)
     proposer = DrafterProposer(drafter, frozen_head_from_model(target))
     stop = stop_token_ids(target, tokenizer)
     prompts = [chat_input_ids(tokenizer, list(r.messages)) for r in load_prompts("humaneval", split="heldout", limit=args.prompts)]

@@ -203,12 +203,12 @@ def _row_padded_linear(self, x: torch.Tensor) -> torch.Tensor:
 
 
 def make_verification_exact(model, rows: int = 16):
-    """Make a k-token forward (k <= rows) give bit for bit the logits of k one-token forwards.
+    """Make a k-token forward (any k) give bit for bit the logits of k one-token forwards.
 
     On CPU in bf16 neither holds by itself: a GEMM over 1 row and over 16 rows take different kernels
     whose results differ in the last bit for some inputs, and so does attention over 1 vs k queries.
-    Every linear layer therefore runs on exactly `rows` rows (zero-padded; on AMX a 16-row bf16 GEMM
-    costs what a 1-row one does) and attention goes row by row (`rowwise_attention`). Longer inputs (prefills)
+    Every linear layer therefore runs on tiles of exactly `rows` rows (zero-padded; on AMX a 16-row bf16
+    GEMM costs what a 1-row one does) and attention goes row by row (`rowwise_attention`). Longer inputs (prefills)
     run tile by tile, so they are exact too: transformers' prompt lookup verifies its first candidates inside
     the prefill."""
     for module in model.modules():

@@ -94,8 +94,8 @@ def run(cfg: DictConfig) -> dict:
         block_size = e.block_size or drafter.block_size
         if untrained:
             print(f"\n{'!' * 100}\n!!! {UNTRAINED_WARNING}\n{'!' * 100}\n", file=sys.stderr, flush=True)
-    if needs_exact_verification(dtype, device):  # every verify forward no longer than `rows` tokens
-        make_verification_exact(target, rows=max(16, block_size, int(e.prompt_lookup_num_tokens) + 1))
+    if needs_exact_verification(dtype, device):
+        make_verification_exact(target)
     settings = DecodeSettings(
         max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p, top_k=e.top_k,
         block_size=block_size, prompt_lookup_num_tokens=e.prompt_lookup_num_tokens,

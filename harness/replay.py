@@ -14,14 +14,13 @@ from __future__ import annotations
 import torch
 
 from flashdraft.store import StoreReader
+from harness.speculative import verified_prefix
 
 
 @torch.inference_mode()
 def replay_acceptance(proposer, store: StoreReader, seq_id: str, *, max_new_tokens: int, draft_cutoff: float = 0.0) -> list[int]:
     """Committed tokens per round when the stored response of `seq_id` is served greedily by `proposer`
     (a DrafterProposer) with at most `max_new_tokens` new tokens, as `speculative_generate` counts them."""
-    from harness.speculative import verified_prefix
-
     seq = store.read(store.index(seq_id), layers=proposer.layer_ids)
     ids = torch.as_tensor(seq.input_ids)
     response = seq.loss_mask.nonzero()[0]
