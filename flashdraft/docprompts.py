@@ -95,3 +95,59 @@ def doc_prompts() -> list[tuple[str, str]]:
         template = TOPIC_TEMPLATES[_pick(topic, len(TOPIC_TEMPLATES))]
         out.append((f"topic:{topic}", template.format(topic=topic.replace("-", " "))))
     return out
+
+
+def _stub_doc(doc: str, limit: int = 900) -> str:
+    """The docstring's first two paragraphs plus its doctest examples, as HumanEval prompts carry them."""
+    paragraphs = [p.strip() for p in doc.strip().split("\n\n") if p.strip()]
+    examples = [p for p in paragraphs if p.lstrip().startswith(">>>")]
+    text = [p for p in paragraphs[:2] if p not in examples]
+    for example in examples:
+        if sum(len(p) for p in text) + len(example) > limit:
+            break
+        text.append(example)
+    return "\n\n".join(text)[:limit]
+
+
+def stub_items() -> list[tuple[str, str, str, str]]:
+    """(module, qualified name, signature, docstring) of the stdlib's documented functions and methods written in Python."""
+    items = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for module_name in sorted(sys.stdlib_module_names):
+            if module_name.startswith("_") or module_name in SKIP_MODULES:
+                continue
+            try:
+                module = importlib.import_module(module_name)
+            except Exception:  # noqa: BLE001 - platform modules that do not import here are simply absent
+                continue
+            for name, obj in sorted(vars(module).items()):
+                if name.startswith("_") or getattr(obj, "__module__", None) != module_name:
+                    continue
+                members = [(name, obj)] if inspect.isfunction(obj) else []
+                if inspect.isclass(obj):
+                    members = [(f"{name}.{a}", m) for a, m in sorted(vars(obj).items()) if not a.startswith("_") and inspect.isfunction(m)]
+                for qual, fn in members:
+                    doc = inspect.getdoc(fn) or ""
+                    try:
+                        signature = str(inspect.signature(fn))
+                    except (TypeError, ValueError):
+                        continue
+                    if len(doc) < 40 or "<" in signature or "\n" in signature:  # reprs such as <object at 0x..> vary by run
+                        continue
+                    items.append((module_name, qual, signature, doc))
+    return items
+
+
+def stub_prompts() -> list[tuple[str, str]]:
+    """(record id, Python stub) pairs in HumanEval's form: a signature and a docstring for the target to implement."""
+    out = []
+    for module, qual, signature, doc in stub_items():
+        if "." in qual:  # a method becomes a plain function: drop the receiver
+            params = signature[1:].split(",", 1)
+            signature = "(" + (params[1].lstrip() if len(params) > 1 else ")")
+        name = qual.rsplit(".", 1)[-1]
+        body = _stub_doc(doc).replace('"""', "'''").replace("\\", "\\\\")
+        indented = "\n".join(("    " + line) if line else "" for line in body.splitlines())
+        out.append((f"{module}.{qual}", f'def {name}{signature}:\n    """{indented.lstrip()}\n    """'))
+    return sorted(out, key=lambda r: hashlib.sha256(r[0].encode()).hexdigest())  # a `limit` takes a spread of modules

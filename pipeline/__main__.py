@@ -57,7 +57,8 @@ def fleet_from(cfg: DictConfig) -> FleetConfig:
 
 def records_from(cfg: DictConfig):
     d = cfg.data
-    return load_records(list(d.sources), split=d.split, limit=d.limit, heldout_fraction=float(d.heldout_fraction))
+    limit = OmegaConf.to_container(d.limit) if isinstance(d.limit, DictConfig) else d.limit
+    return load_records(list(d.sources), split=d.split, limit=limit, heldout_fraction=float(d.heldout_fraction))
 
 
 def capture_command(cfg: DictConfig) -> int:

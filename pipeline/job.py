@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 from flashdraft.prompts import load_prompts
@@ -17,12 +18,21 @@ from flashdraft.target import (
 from pipeline.worker import CaptureSettings
 
 
-def load_records(sources, *, split: str | None = "train", limit: int | None = None, heldout_fraction: float = 0.2):
-    """Records of every source (`limit` per source) and the rejects found while reading them."""
+def load_records(sources, *, split: str | None = "train", limit: int | Mapping | None = None, heldout_fraction: float = 0.2):
+    """Records of every source and the rejects found while reading them.
+
+    `limit` caps each source: one number for all, or a mapping from source to its cap (sources it does not
+    name are not capped).
+    """
+    if isinstance(limit, Mapping):
+        unknown = sorted(set(map(str, limit)) - set(map(str, sources)))
+        if unknown:
+            raise ValueError(f"data.limit names sources that data.sources does not list: {unknown}")
     records, rejects = [], []
     for source in sources:
         found = []
-        records += load_prompts(str(source), split=split, limit=limit, heldout_fraction=heldout_fraction, rejects=found)
+        cap = limit.get(str(source)) if isinstance(limit, Mapping) else limit
+        records += load_prompts(str(source), split=split, limit=cap, heldout_fraction=heldout_fraction, rejects=found)
         rejects += [{"seq_id": None, "source": r.source, "record_id": r.record_id, "reason": r.reason, "raw": r.raw} for r in found]
     return records, rejects
 

@@ -86,3 +86,42 @@ def test_pydocs_source_is_large_and_deterministic():
     assert len({r.seq_id for r in records}) == len(records)
     assert [r.seq_id for r in load_prompts("pydocs", limit=50)] == [r.seq_id for r in records[:50]]
     assert all(r.messages[0]["content"].strip() for r in records)
+
+
+def test_pystubs_and_chatseeds_are_large_deterministic_and_in_their_eval_sets_form():
+    stubs = load_prompts("pystubs")
+    assert len(stubs) > 1000 and len({r.seq_id for r in stubs}) == len(stubs)
+    assert [r.seq_id for r in load_prompts("pystubs", limit=20)] == [r.seq_id for r in stubs[:20]]
+    text = stubs[0].messages[0]["content"]
+    assert text.startswith("Write a solution to the following problem") and "\ndef " in text and '"""' in text
+    assert len({r.record_id.split(".")[0] for r in stubs[:100]}) > 30  # a limit spreads over modules
+    chats = load_prompts("chatseeds")
+    assert len(chats) > 2000 and len({r.seq_id for r in chats}) == len(chats)
+    assert all(len(r.followups) == 1 and r.followups[0].strip() for r in chats)
+    assert len({r.record_id.split("/")[0] for r in chats[:50]}) == 8  # every MT-Bench category early on
+    assert {r.split for r in chats} == {"train", "heldout"}
+
+
+def test_a_per_source_limit_caps_each_source_it_names():
+    from pipeline.job import load_records
+
+    records, _ = load_records(["humaneval", "pystubs"], split="train", limit={"pystubs": 5})
+    by_source = {s: sum(r.source == s for r in records) for s in ("humaneval", "pystubs")}
+    assert by_source == {"humaneval": len(load_prompts("humaneval", split="train")), "pystubs": 5}
+    with pytest.raises(ValueError, match="chatseeds"):
+        load_records(["humaneval"], limit={"chatseeds": 5})
+
+
+def test_the_full_profile_takes_its_per_source_limits_from_hydra():
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    from pipeline.__main__ import records_from
+
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base=None):
+        cfg = compose(config_name="config", overrides=["data=full"])
+    records, _ = records_from(cfg)
+    counts = {s: sum(r.source == s for r in records) for s in cfg.data.sources}
+    assert {s: counts[s] for s in cfg.data.limit} == dict(cfg.data.limit)
+    assert counts["humaneval"] == len(load_prompts("humaneval", split="train"))

@@ -131,3 +131,26 @@ def test_target_init_and_eval_on_separate_held_out_stores(setup, tmp_path):
     evals = metrics(tmp_path / "run", "eval/loss")
     assert len(evals) == 1 and evals[0]["eval/tau"] >= 1.0
     assert len(metrics(tmp_path / "run")) == 4
+
+
+def test_init_from_an_exported_drafter_starts_from_its_weights(setup, tmp_path):
+    """train.init=<drafter folder> fine-tunes: with lr 0 the exported drafter equals the one it started from;
+    a drafter of another shape is refused by name."""
+    _, target, store = setup
+    common = dict(epochs=1, max_steps=2, checkpoint_every=0, eval_every=0)
+    run_training(tmp_path / "a", train_kwargs(tmp_path / "a", store.path, target, **common))
+    start = tmp_path / "a" / "drafter"
+    run_training(tmp_path / "b", train_kwargs(tmp_path / "b", store.path, target, init=str(start), lr=0.0, **common))
+    before, after = weights(start), weights(tmp_path / "b" / "drafter")
+    assert before.keys() == after.keys()
+    for k in before:
+        torch.testing.assert_close(after[k], before[k], atol=0, rtol=0, msg=k)
+
+    from trainer.train import init_from_drafter
+
+    other = DFlashDrafter.from_pretrained(start)
+    other.config.num_hidden_layers += 1
+    with pytest.raises(ValueError, match="another shape"):
+        init_from_drafter(DFlashDrafter(other.config), start)
+    with pytest.raises(ValueError, match="holds no config.json"):
+        init_from_drafter(DFlashDrafter(other.config), tmp_path / "nowhere")

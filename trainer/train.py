@@ -38,7 +38,7 @@ class TrainConfig:
     num_draft_layers: int = 5
     block_size: int = 16
     intermediate_size: int | None = None
-    init: str = "random"  # random | target (draft layers start as the target's top layers)
+    init: str = "random"  # random | target (draft layers start as the target's top layers) | a drafter folder
     mask_token_id: int | None = None  # None: the stores' manifest, else chosen from the tokenizer
     num_anchors: int = 512
     gamma: float | None = None  # None: default_gamma(block_size)
@@ -109,6 +109,18 @@ def resolve_mask_token(cfg: TrainConfig, manifests: list[dict], vocab_size: int)
     from flashdraft.target import choose_mask_token, load_tokenizer
 
     return choose_mask_token(load_tokenizer(cfg.target), vocab_size)
+
+
+def init_from_drafter(drafter: DFlashDrafter, path) -> None:
+    """Start from an exported drafter's weights (fine-tuning); it must have this run's shape."""
+    if not (Path(path) / "config.json").is_file():
+        raise ValueError(f"train.init must be 'random', 'target' or a drafter folder; {path!r} holds no config.json")
+    source = DFlashDrafter.from_pretrained(path)
+    theirs, ours = source.state_dict(), drafter.state_dict()
+    wrong = [k for k in ours if k not in theirs or theirs[k].shape != ours[k].shape]
+    if wrong:
+        raise ValueError(f"train.init={path}: the drafter there has another shape than this run's ({len(wrong)} tensors differ, first {wrong[0]!r})")
+    drafter.load_state_dict(theirs)
 
 
 def _layer_prefix(tensors: dict) -> str:
@@ -182,7 +194,7 @@ def train(cfg: TrainConfig) -> dict:
         tensors = read_target_tensors(cfg.target, lambda n: n.endswith("norm.weight") or any(w in n for w in wanted))
         drafter.init_from_target(tensors, prefix=_layer_prefix(tensors))
     elif cfg.init != "random":
-        raise ValueError(f"train.init must be 'random' or 'target', got {cfg.init!r}")
+        init_from_drafter(drafter, cfg.init)
     head = load_frozen_head(cfg.target, dtype=dtype).to(device)
     engine, scheduler = build_engine(
         drafter, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas,
