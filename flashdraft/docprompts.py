@@ -48,9 +48,8 @@ def _useful(summary: str, name: str) -> bool:
     return len(summary) >= 30 and "-->" not in summary and not summary.startswith(name + "(")
 
 
-def doc_items() -> list[tuple[str, str, str]]:
-    """(module, qualified name, docstring summary) for the documented public API of the stdlib."""
-    items = set()
+def _stdlib_public_objects():
+    """(module name, name, object) for each public object a stdlib module defines itself, in sorted order."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for module_name in sorted(sys.stdlib_module_names):
@@ -61,20 +60,26 @@ def doc_items() -> list[tuple[str, str, str]]:
             except Exception:  # noqa: BLE001 - platform modules that do not import here are simply absent
                 continue
             for name, obj in sorted(vars(module).items()):
-                if name.startswith("_") or getattr(obj, "__module__", None) != module_name:
+                if not name.startswith("_") and getattr(obj, "__module__", None) == module_name:
+                    yield module_name, name, obj
+
+
+def doc_items() -> list[tuple[str, str, str]]:
+    """(module, qualified name, docstring summary) for the documented public API of the stdlib."""
+    items = set()
+    for module_name, name, obj in _stdlib_public_objects():
+        if not (inspect.isfunction(obj) or inspect.isclass(obj) or inspect.isbuiltin(obj)):
+            continue
+        summary = _summary(inspect.getdoc(obj) or "")
+        if _useful(summary, name):
+            items.add((module_name, name, summary))
+        if inspect.isclass(obj):
+            for attr, member in sorted(vars(obj).items()):
+                if attr.startswith("_") or not callable(member):
                     continue
-                if not (inspect.isfunction(obj) or inspect.isclass(obj) or inspect.isbuiltin(obj)):
-                    continue
-                summary = _summary(inspect.getdoc(obj) or "")
-                if _useful(summary, name):
-                    items.add((module_name, name, summary))
-                if inspect.isclass(obj):
-                    for attr, member in sorted(vars(obj).items()):
-                        if attr.startswith("_") or not callable(member):
-                            continue
-                        summary = _summary(inspect.getdoc(member) or "")
-                        if _useful(summary, attr):
-                            items.add((module_name, f"{name}.{attr}", summary))
+                summary = _summary(inspect.getdoc(member) or "")
+                if _useful(summary, attr):
+                    items.add((module_name, f"{name}.{attr}", summary))
     return sorted(items)
 
 
@@ -112,30 +117,19 @@ def _stub_doc(doc: str, limit: int = 900) -> str:
 def stub_items() -> list[tuple[str, str, str, str]]:
     """(module, qualified name, signature, docstring) of the stdlib's documented functions and methods written in Python."""
     items = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for module_name in sorted(sys.stdlib_module_names):
-            if module_name.startswith("_") or module_name in SKIP_MODULES:
-                continue
+    for module_name, name, obj in _stdlib_public_objects():
+        members = [(name, obj)] if inspect.isfunction(obj) else []
+        if inspect.isclass(obj):
+            members = [(f"{name}.{a}", m) for a, m in sorted(vars(obj).items()) if not a.startswith("_") and inspect.isfunction(m)]
+        for qual, fn in members:
+            doc = inspect.getdoc(fn) or ""
             try:
-                module = importlib.import_module(module_name)
-            except Exception:  # noqa: BLE001 - platform modules that do not import here are simply absent
+                signature = str(inspect.signature(fn))
+            except (TypeError, ValueError):
                 continue
-            for name, obj in sorted(vars(module).items()):
-                if name.startswith("_") or getattr(obj, "__module__", None) != module_name:
-                    continue
-                members = [(name, obj)] if inspect.isfunction(obj) else []
-                if inspect.isclass(obj):
-                    members = [(f"{name}.{a}", m) for a, m in sorted(vars(obj).items()) if not a.startswith("_") and inspect.isfunction(m)]
-                for qual, fn in members:
-                    doc = inspect.getdoc(fn) or ""
-                    try:
-                        signature = str(inspect.signature(fn))
-                    except (TypeError, ValueError):
-                        continue
-                    if len(doc) < 40 or "<" in signature or "\n" in signature:  # reprs such as <object at 0x..> vary by run
-                        continue
-                    items.append((module_name, qual, signature, doc))
+            if len(doc) < 40 or "<" in signature or "\n" in signature:  # reprs such as <object at 0x..> vary by run
+                continue
+            items.append((module_name, qual, signature, doc))
     return items
 
 
