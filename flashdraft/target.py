@@ -355,12 +355,15 @@ def read_target_tensors(name_or_path: str, names, dtype: torch.dtype = torch.flo
     folder, weight_map = _target_folder_and_weights(name_or_path)
     if callable(names):
         names = [n for n in weight_map if names(n)]
-    out = {}
+    by_file = {}
     for name in names:
         if name in weight_map:
-            with safe_open(str(folder / weight_map[name]), "pt") as f:
-                out[name] = f.get_tensor(name).to(dtype)
-    return out
+            by_file.setdefault(weight_map[name], []).append(name)
+    out = {}
+    for file, wanted in by_file.items():  # each shard opened once
+        with safe_open(str(folder / file), "pt") as f:
+            out.update((name, f.get_tensor(name).to(dtype)) for name in wanted)
+    return {name: out[name] for name in names if name in out}
 
 
 def load_frozen_head(name_or_path: str, dtype: torch.dtype = torch.float32) -> FrozenHead:

@@ -152,5 +152,9 @@ def test_init_from_an_exported_drafter_starts_from_its_weights(setup, tmp_path):
     other.config.num_hidden_layers += 1
     with pytest.raises(ValueError, match="another shape"):
         init_from_drafter(DFlashDrafter(other.config), start)
+    wider = DFlashDrafter.from_pretrained(start).config
+    wider.intermediate_size += 8  # same tensor names, other shapes
+    with pytest.raises(ValueError, match="another shape"):
+        init_from_drafter(DFlashDrafter(wider), start)
     with pytest.raises(ValueError, match="holds no config.json"):
         init_from_drafter(DFlashDrafter(other.config), tmp_path / "nowhere")
