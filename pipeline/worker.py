@@ -130,20 +130,23 @@ class CaptureWorker:
                     shard.reject(rec.seq_id, e, source=rec.source, record_id=rec.record_id)
                 else:
                     encoded.append((rec, *e))
-            encoded.sort(key=lambda x: len(x[1]))  # similar lengths batch with little padding
-            for b in range(0, len(encoded), self.s.batch_size):
-                batch = encoded[b : b + self.s.batch_size]
-                for (rec, *_), out in zip(batch, self._capture_batch(batch, task_seed(self.s.seed, task.name, b))):
-                    shard.append(rec.seq_id, out.input_ids, out.loss_mask, out.features)
+            encoded.sort(key=lambda x: len(x[1]))  # similar lengths batch (and join the batch) with little padding
+            for (rec, *_), out in zip(encoded, self._capture(encoded, task_seed(self.s.seed, task.name, 0))):
+                shard.append(rec.seq_id, out.input_ids, out.loss_mask, out.features)
         return {"info": shard.info(), "pid": os.getpid(), "seconds": time.time() - t0}
 
-    def _capture_batch(self, batch, seed: int):
-        ids = [x[1] for x in batch]
+    def _capture(self, encoded, seed: int):
+        """Regenerate: one continuously batched decode over the task's prompts. Capture: one prefill a batch."""
+        ids = [x[1] for x in encoded]
         if self.s.mode == "capture":
-            return capture(self.model, ids, [x[2] for x in batch], list(self.s.layer_ids), pad_id=self.pad_id)
+            out = []
+            for b in range(0, len(ids), self.s.batch_size):
+                out += capture(self.model, ids[b : b + self.s.batch_size], [x[2] for x in encoded[b : b + self.s.batch_size]],
+                               list(self.s.layer_ids), pad_id=self.pad_id)  # fmt: skip
+            return out
         gen = torch.Generator(device=self.model.device).manual_seed(seed) if self.s.sampling.do_sample else None
         return regenerate(
             self.model, ids, list(self.s.layer_ids),
             max_new_tokens=[min(self.s.max_new_tokens, self.s.max_length - len(p)) for p in ids],
-            stop_ids=self.stop_ids, pad_id=self.pad_id, sampling=self.s.sampling, generator=gen,
+            stop_ids=self.stop_ids, pad_id=self.pad_id, sampling=self.s.sampling, generator=gen, batch_size=self.s.batch_size,
         )  # fmt: skip

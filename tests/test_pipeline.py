@@ -51,11 +51,15 @@ def settings_for(target, **kw):
     return CaptureSettings(target=target, layer_ids=tuple(LAYERS), **{"max_new_tokens": 12, "batch_size": 3, **kw})
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_regenerate_captures_what_a_fresh_forward_computes(kind):
+@pytest.mark.parametrize("kind,batch_size", [("llama", None), ("qwen3", None), ("llama", 2), ("qwen3", 3)])
+def test_regenerate_captures_what_a_fresh_forward_computes(kind, batch_size):
+    """All prompts in one batch, and continuous batching (rows leave when they end, waiting prompts join
+    a batch of another width: merged caches, trimmed padding): the same tokens and features either way."""
     model = tiny(kind)
-    prompts = [[1, 5, 9, 3], list(range(7, 20)), [2], [4, 4, 4, 4, 4, 4]]
-    out = regenerate(model, prompts, LAYERS, max_new_tokens=[12, 20, 7, 9], stop_ids=[5, 6], pad_id=0)
+    prompts = [[1, 5, 9, 3], list(range(7, 20)), [2], [4, 4, 4, 4, 4, 4], [8, 9], list(range(30, 52)), [3, 3, 7]]
+    limits = [12, 20, 7, 9, 3, 15, 1]
+    out = regenerate(model, prompts, LAYERS, max_new_tokens=limits, stop_ids=[5, 6], pad_id=0, batch_size=batch_size)
+    assert [len(r.input_ids) - len(p) <= n for r, p, n in zip(out, prompts, limits)] == [True] * len(prompts)
     lengths = set()
     for p, r in zip(prompts, out):
         assert r.input_ids[: len(p)].tolist() == p
