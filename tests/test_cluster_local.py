@@ -39,8 +39,31 @@ def ray_cluster():
         subprocess.run(worker, env=env, check=True, capture_output=True, timeout=120)
         yield f"127.0.0.1:{port}", env
     finally:
-        subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        stop_cluster(temp_dir, port)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def stop_cluster(temp_dir: str, port: int) -> None:
+    """Stop this test's two nodes only: `ray stop` would stop every Ray instance on the machine, a capture
+    running beside the tests included. The nodes' processes name the temp dir or the head's address, and
+    their workers and agents are children of those (the head reports its address by the machine's IP, not 127.0.0.1)."""
+    import psutil
+
+    ours = [p for p in psutil.process_iter(["cmdline"]) if any(temp_dir in a or a.endswith(f":{port}") for a in p.info["cmdline"] or ())]
+    family = {p.pid: p for p in ours}
+    for p in ours:
+        try:
+            family.update((c.pid, c) for c in p.children(recursive=True))
+        except psutil.NoSuchProcess:
+            pass
+    for p in family.values():
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(list(family.values()), timeout=20)
+    for p in alive:
+        p.kill()
 
 
 def test_pipeline_on_a_two_node_ray_cluster(tmp_path, ray_cluster):
