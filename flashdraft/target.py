@@ -147,34 +147,74 @@ def resolve_dtype(name: str, device) -> torch.dtype:
 EXACT_ATTENTION = "rowwise_exact"
 
 
-def _rows_hiding_keys(mask, q_len: int, kv_len: int) -> list[bool]:
-    """Per query row i: does the SDPA mask hide any of the keys [0, end_i) that row may see? Rows that hide
-    none take the unmasked call a decode step takes."""
+def _row_keys(mask, q_len: int, kv_len: int) -> list[tuple[int, torch.Tensor | None, bool]]:
+    """Per query row i, (end, keys, masked): row i may see keys [0, end) (causal). If the SDPA mask hides none of
+    them, the row takes the unmasked call a decode step takes over the view [0, end) (keys None). If it hides
+    some — a tree row sees its ancestors, not its siblings — a batch of one gathers the visible keys (`keys`,
+    an index), which is again the unmasked decode-step call over exactly the keys of that path; a larger
+    batch passes the mask (`masked`)."""
+    ends = list(range(kv_len - q_len + 1, kv_len + 1))
     if mask is None:
-        return [False] * q_len
+        return [(e, None, False) for e in ends]
     visible = mask if mask.dtype == torch.bool else mask >= 0
     visible = visible.expand(-1, -1, q_len, kv_len).all(dim=1)  # over heads: [b, q, kv]
-    ends = torch.arange(kv_len - q_len + 1, kv_len + 1, device=visible.device)
-    seen = torch.arange(kv_len, device=visible.device)[None] < ends[:, None]  # [q, kv]: the keys row i may see
-    return (~visible & seen).any(dim=-1).any(dim=0).tolist()
+    seen = torch.arange(kv_len, device=visible.device)[None] < torch.tensor(ends, device=visible.device)[:, None]
+    hiding = (~visible & seen).any(dim=-1)  # [b, q]
+    if visible.shape[0] == 1:
+        return [(e, visible[0, i, :e].nonzero()[:, 0] if h else None, False) for i, (e, h) in enumerate(zip(ends, hiding[0].tolist()))]
+    return [(e, None, h) for e, h in zip(ends, hiding.any(dim=0).tolist())]
+
+
+def _row_plan(mask, q_len: int, kv_len: int) -> list[tuple[int, list[int] | None, bool]]:
+    """`_row_keys` with each gathered row as (prefix, keys): the row sees `keys`, of which the first `prefix`
+    are [0, prefix) (a tree row: the context and the root, then its ancestors and itself). Computed once per
+    forward: every layer gets the same mask object."""
+    plan = getattr(mask, "_flashdraft_row_plan", None)
+    if plan is not None and plan[0] == (q_len, kv_len):
+        return plan[1]
+    plan = []
+    for end, keys, masked in _row_keys(mask, q_len, kv_len):
+        if keys is None:
+            plan.append((end, None, masked))
+            continue
+        keys = keys.tolist()
+        plan.append((next((j for j, k in enumerate(keys) if k != j), len(keys)), keys, False))
+    if mask is not None:
+        mask._flashdraft_row_plan = ((q_len, kv_len), plan)
+    return plan
 
 
 def rowwise_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Causal attention one query row at a time, each row over exactly the keys a one-token decode step at
-    that position sees, through the same SDPA call. A k-token verify forward then gives bit for bit the
-    logits of k one-token forwards, and a prefill does not depend on how the caller spells its causal
-    mask (transformers' generate passes one, the harness does not)."""
-    q_len, kv_len = query.shape[2], key.shape[2]
-    hiding = _rows_hiding_keys(attention_mask, q_len, kv_len)
-    rows = []
-    for i in range(q_len):
-        end = kv_len - (q_len - 1 - i)
-        rows.append(F.scaled_dot_product_attention(  # views, not copies: the kernel reads by strides alike
-            query[:, :, i : i + 1], key[:, :, :end], value[:, :, :end],
-            attn_mask=attention_mask[:, :, i : i + 1, :end] if hiding[i] else None,
+    """Causal (or tree) attention one query row at a time, each row over exactly the keys a one-token decode
+    step at that position sees, through the same SDPA call. A k-token verify forward then gives bit for bit
+    the logits of k one-token forwards, and a prefill does not depend on how the caller spells its causal
+    mask (transformers' generate passes one, the harness does not).
+
+    A tree row's keys (the context, then its ancestors) are laid out in a scratch copy of the keys: its tail
+    is written after the shared prefix, only where the previous row left other keys, and the row attends to
+    a view of the scratch, as a decode step over that path attends to its cache."""
+    scratch, out = None, []
+    for i, (end, keys, masked) in enumerate(_row_plan(attention_mask, query.shape[2], key.shape[2])):
+        if keys is None:  # views, not copies: the kernel reads by strides alike
+            k, v = key[:, :, :end], value[:, :, :end]
+        else:
+            if scratch is None:  # held[pos]: which key the scratch holds at pos; below `clean` it holds its own
+                scratch, held, clean = (key.clone(), value.clone()), list(range(key.shape[2])), key.shape[2]
+            lo = min(end, clean)
+            first = next((pos for pos in range(lo, len(keys)) if held[pos] != keys[pos]), len(keys))
+            if first < len(keys):
+                src = torch.tensor(keys[first:], device=key.device)
+                scratch[0][:, :, first : len(keys)] = key.index_select(2, src)
+                scratch[1][:, :, first : len(keys)] = value.index_select(2, src)
+                held[first : len(keys)] = keys[first:]
+                clean = min(clean, first)
+            end = len(keys)
+            k, v = scratch[0][:, :, :end], scratch[1][:, :, :end]
+        out.append(F.scaled_dot_product_attention(
+            query[:, :, i : i + 1], k, v, attn_mask=attention_mask[:, :, i : i + 1, :end] if masked else None,
             scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
         ))
-    return torch.cat(rows, dim=2).transpose(1, 2).contiguous(), None
+    return torch.cat(out, dim=2).transpose(1, 2).contiguous(), None
 
 
 def _register_exact_attention() -> None:

@@ -3,6 +3,7 @@
     python -m harness                                   # conf/eval/quick.yaml, the model's drafter_dir
     python -m harness eval=full eval.drafter=PATH
     python -m harness eval.limit=2 eval.temperature=0.7 eval.methods=[plain,dflash]
+    python -m harness eval.methods=[plain,dflash,dflash_tree] eval.tree_size=15   # tree verification (greedy)
 Writes report.json, report.md and runs.jsonl (one line per prompt, as it goes) into eval.out_dir, with
 acceptance.png and training.png (from eval.metrics, the trainer's metrics.jsonl) next to report.md.
 """
@@ -27,6 +28,7 @@ from flashdraft.target import (
     target_fingerprint,
 )
 from harness.evaluate import (
+    DRAFTER_METHODS,
     UNTRAINED_WARNING,
     DecodeSettings,
     build_prompts,
@@ -71,6 +73,9 @@ def add_pictures_and_parity(report: dict, records: list[dict], out_dir: Path, me
     parity = train_serve_parity(rows, served_tau, draft_cutoff=report["settings"].get("draft_cutoff") or 0.0, replay=replay)
     if parity:
         parity["metrics"] = str(metrics_path)
+        if (replay or {}).get("tree_tau"):  # the tree method: its replay next to its served tau
+            parity["replay_tree_tau"] = replay["tree_tau"]
+            parity["served_tree_tau"] = report["methods"]["dflash_tree"]["tau"]
     report["pictures"], report["train_serve_parity"] = pictures, parity
 
 
@@ -83,7 +88,7 @@ def run(cfg: DictConfig) -> dict:
     target, tokenizer = load_target(m.target, dtype=dtype, device=device, trust_remote_code=cfg.trust_remote_code)
     methods = list(e.methods)
     proposer, untrained, drafter_path, block_size = None, False, None, 1
-    if "dflash" in methods:
+    if any(m in DRAFTER_METHODS for m in methods):
         drafter, untrained = load_drafter(
             e.drafter, target, tokenizer, allow_untrained=e.allow_untrained, num_layers=m.drafter.num_layers,
             block_size=m.drafter.block_size, layer_ids=m.layer_ids, num_target_features=m.num_target_features,
@@ -99,7 +104,8 @@ def run(cfg: DictConfig) -> dict:
     settings = DecodeSettings(
         max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p, top_k=e.top_k,
         block_size=block_size, prompt_lookup_num_tokens=e.prompt_lookup_num_tokens,
-        draft_cutoff=float(e.get("draft_cutoff") or 0.0), seed=e.seed,
+        draft_cutoff=float(e.get("draft_cutoff") or 0.0), tree_size=int(e.get("tree_size") or 15),
+        tree_branching=int(e.get("tree_branching") or 4), seed=e.seed,
     )
     prompts = build_prompts(
         tokenizer, OmegaConf.to_object(e.prompts) if OmegaConf.is_config(e.prompts) else e.prompts,
@@ -134,6 +140,8 @@ def run(cfg: DictConfig) -> dict:
             "block_size": block_size,
             "prompt_lookup_num_tokens": e.prompt_lookup_num_tokens,
             "draft_cutoff": settings.draft_cutoff,
+            "tree_size": settings.tree_size if "dflash_tree" in methods else None,
+            "tree_branching": settings.tree_branching if "dflash_tree" in methods else None,
             "methods": methods,
             "seed": e.seed,
             "device": str(device),
@@ -157,14 +165,19 @@ def run(cfg: DictConfig) -> dict:
     replay = None
     store = e.get("replay_store")
     if proposer is not None and not untrained and e.temperature == 0 and store and Path(store, "manifest.json").is_file():
-        replay = replay_tau(proposer, store, [p.seq_id for p in prompts], max_new_tokens=e.max_new_tokens, draft_cutoff=settings.draft_cutoff)
+        seq_ids = [p.seq_id for p in prompts]
+        replay = replay_tau(proposer, store, seq_ids, max_new_tokens=e.max_new_tokens, draft_cutoff=settings.draft_cutoff)
+        if "dflash_tree" in methods and replay:
+            tree = replay_tau(proposer, store, seq_ids, max_new_tokens=e.max_new_tokens, tree_size=settings.tree_size,
+                              tree_branching=settings.tree_branching)  # fmt: skip
+            replay["tree_tau"] = tree["tau"] if tree else None
     add_pictures_and_parity(report, records, out_dir, e.get("metrics"), block_size, replay)
     json_path, md_path = write_report(report, out_dir)
     print(("\n!!! " + UNTRAINED_WARNING + "\n" if untrained else "") + "\n" + methods_table(report["methods"]))
-    if "dflash" in methods:
-        d = report["methods"]["dflash"]
+    for method in (m for m in methods if m in DRAFTER_METHODS):
+        d = report["methods"][method]
         verified = "" if d.get("verified_drafts") is None else f"; drafts verified per round {d['verified_drafts']:.2f}"
-        print(f"dflash acceptance histogram {json.dumps(d['acceptance_histogram'])}{verified}; round ms "
+        print(f"{method} acceptance histogram {json.dumps(d['acceptance_histogram'])}{verified}; round ms "
               + ", ".join(f"{k} {v:.1f}" for k, v in d["round_ms"].items()))
     if parity := report["train_serve_parity"]:
         print(parity_line(parity) + (f"\n  {parity['explanation']}" if parity["explanation"] else ""))

@@ -3,7 +3,8 @@
 Methods
   plain          the harness loop at block size 1: KV cache, one target forward per token
   prompt_lookup  transformers generate(prompt_lookup_num_tokens=10), the free baseline
-  dflash         the harness loop with the drafter
+  dflash         the harness loop with the drafter, one chain verified a round (the reference)
+  dflash_tree    the same drafter, a tree of its most probable candidates verified a round (greedy only)
 Decode time excludes the prefill (the prompt forward that emits the first token) for every
 method; speedup is decode throughput over plain decoding's on the same prompts, which for greedy
 (identical outputs) is plain decode wall time / method decode wall time.
@@ -28,7 +29,8 @@ from flashdraft.target import chat_input_ids, choose_mask_token, target_layer_id
 from harness.prompt_lookup import prompt_lookup_generate
 from harness.speculative import Generation, speculative_generate
 
-METHODS = ("plain", "prompt_lookup", "dflash")
+METHODS = ("plain", "prompt_lookup", "dflash", "dflash_tree")
+DRAFTER_METHODS = ("dflash", "dflash_tree")
 UNTRAINED_WARNING = (
     "UNTRAINED DRAFTER: no drafter checkpoint was found, so a randomly initialised one was measured. "
     "tau and speedup say nothing about a trained drafter; losslessness still holds."
@@ -52,6 +54,8 @@ class DecodeSettings:
     block_size: int | None = None  # None: the drafter's
     prompt_lookup_num_tokens: int = 10
     draft_cutoff: float = 0.0  # dflash: verify the draft prefix of cumulative draft probability >= this (0: all)
+    tree_size: int = 15  # dflash_tree: draft candidates verified a round
+    tree_branching: int = 4  # dflash_tree: candidate tokens a block position
     seed: int = 0
 
 
@@ -124,6 +128,11 @@ def run_method(method, target, prompt: EvalPrompt, settings: DecodeSettings, *, 
             target, prompt.input_ids, proposer=proposer, block_size=settings.block_size, generator=generator,
             draft_cutoff=settings.draft_cutoff, **common,
         )
+    if method == "dflash_tree":
+        return speculative_generate(
+            target, prompt.input_ids, proposer=proposer, block_size=settings.block_size, generator=generator,
+            tree_size=settings.tree_size, tree_branching=settings.tree_branching, **common,
+        )
     raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
 
 
@@ -134,8 +143,11 @@ def evaluate(target, prompts, settings: DecodeSettings, *, methods=METHODS, prop
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown methods {unknown}; known: {', '.join(METHODS)}")
-    if "dflash" in methods and proposer is None:
-        raise ValueError("method dflash needs a drafter")
+    drafting = [m for m in methods if m in DRAFTER_METHODS]
+    if drafting and proposer is None:
+        raise ValueError(f"method {drafting[0]} needs a drafter")
+    if "dflash_tree" in methods and settings.temperature > 0:
+        raise ValueError(f"method dflash_tree is greedy only: drop it from eval.methods or set eval.temperature=0 (got {settings.temperature})")
     if warmup and prompts:  # first calls pay one-off costs (allocator, kernels); keep them out of the timing
         short = DecodeSettings(**{**asdict(settings), "max_new_tokens": min(8, settings.max_new_tokens)})
         for method in methods:
@@ -196,7 +208,7 @@ def method_summary(records, method, *, greedy: bool, block_size: int | None = No
             same = [r["methods"][method]["tokens"] == r["methods"]["plain"]["tokens"] for r in records]
             summary["lossless"] = all(same)
             summary["mismatched_prompts"] = [f"{r['source']}/{r['record_id']}" for r, ok in zip(records, same) if not ok]
-    if method == "dflash":
+    if method in DRAFTER_METHODS:
         counts = Counter(rounds)
         summary["acceptance_histogram"] = {str(k): counts.get(k, 0) for k in range(1, (block_size or max(rounds, default=1)) + 1)}
         n = max(len(rounds), 1)

@@ -15,12 +15,16 @@ import torch
 
 from flashdraft.store import StoreReader
 from harness.speculative import verified_prefix
+from harness.tree import build_tree, follow
 
 
 @torch.inference_mode()
-def replay_acceptance(proposer, store: StoreReader, seq_id: str, *, max_new_tokens: int, draft_cutoff: float = 0.0) -> list[int]:
+def replay_acceptance(proposer, store: StoreReader, seq_id: str, *, max_new_tokens: int, draft_cutoff: float = 0.0,
+                      tree_size: int = 0, tree_branching: int = 4, verified: list | None = None) -> list[int]:
     """Committed tokens per round when the stored response of `seq_id` is served greedily by `proposer`
-    (a DrafterProposer) with at most `max_new_tokens` new tokens, as `speculative_generate` counts them."""
+    (a DrafterProposer) with at most `max_new_tokens` new tokens, as `speculative_generate` counts them
+    (with `tree_size` > 0: a tree of that many candidates verified a round). `verified`, if given, gets the
+    drafts verified each round appended."""
     seq = store.read(store.index(seq_id), layers=proposer.layer_ids)
     ids = torch.as_tensor(seq.input_ids)
     response = seq.loss_mask.nonzero()[0]
@@ -41,21 +45,30 @@ def replay_acceptance(proposer, store: StoreReader, seq_id: str, *, max_new_toke
         if draft_cutoff > 0:
             size = 1 + verified_prefix(logits, draft_cutoff)
         truth = ids[start + 1 : min(start + size, end)]
-        drafts = logits.argmax(dim=-1)[: len(truth)].cpu()
-        wrong = (drafts != truth).nonzero()
-        accepted = int(wrong[0, 0]) if len(wrong) else len(truth)
+        if tree_size:
+            tree = build_tree(logits, tree_size, tree_branching)
+            accepted = len(follow(tree, lambda row, depth: truth[depth] if depth < len(truth) else -1))
+            size = 1 + tree.size
+        else:
+            drafts = logits.argmax(dim=-1)[: len(truth)].cpu()
+            wrong = (drafts != truth).nonzero()
+            accepted = int(wrong[0, 0]) if len(wrong) else len(truth)
         produced = min(accepted + 1, end - start - 1)
         lengths.append(produced)
+        if verified is not None:
+            verified.append(size - 1)
         context_from, start = start, start + produced
     return lengths
 
 
-def replay_tau(proposer, store_path, seq_ids, *, max_new_tokens: int, draft_cutoff: float = 0.0) -> dict | None:
+def replay_tau(proposer, store_path, seq_ids, *, max_new_tokens: int, draft_cutoff: float = 0.0, tree_size: int = 0,
+               tree_branching: int = 4) -> dict | None:
     """Replay over the eval prompts found in the store: {"tau", "prompts", "missing"}; None when none is there."""
     store = StoreReader(store_path)
     present = set(store.seq_ids)
     found = [s for s in seq_ids if s in present]
     if not found:
         return None
-    rounds = [n for s in found for n in replay_acceptance(proposer, store, s, max_new_tokens=max_new_tokens, draft_cutoff=draft_cutoff)]
+    rounds = [n for s in found for n in replay_acceptance(proposer, store, s, max_new_tokens=max_new_tokens, draft_cutoff=draft_cutoff,
+                                                          tree_size=tree_size, tree_branching=tree_branching)]  # fmt: skip
     return {"tau": sum(rounds) / len(rounds) if rounds else None, "prompts": len(found), "missing": len(seq_ids) - len(found)}

@@ -13,7 +13,7 @@ TIMING_NOTE = (
     "generate's first forward, which also verifies its first candidates) for every method. tau = tokens "
     "committed per target forward after the prefill. speedup = decode tokens/s over plain decoding's on the "
     "same prompts (with greedy, identical outputs: plain decode wall time / method decode wall time). "
-    "plain and dflash run the same harness loop (plain = block size 1, no drafter); prompt lookup runs "
+    "plain, dflash and dflash_tree run the same harness loop (plain = block size 1, no drafter); prompt lookup runs "
     "transformers generate."
 )
 
@@ -57,12 +57,13 @@ def render_markdown(report: dict) -> str:
     sources = list(next(iter(methods.values()))["by_source"])
     for source in sources:
         out += [f"## {source}", "", methods_table({name: m["by_source"][source] for name, m in methods.items()}), ""]
-    if "dflash" in methods:
-        d = methods["dflash"]
+    for method in (m for m in ("dflash", "dflash_tree") if m in methods):
+        d = methods[method]
         hist = d["acceptance_histogram"]
         total = max(sum(hist.values()), 1)
+        tree = f" (tree of {s['tree_size']} candidates, {s['tree_branching']} a position)" if method == "dflash_tree" else ""
         out += [
-            "## DFlash rounds",
+            f"## {method} rounds{tree}",
             "",
             "Acceptance length (tokens committed per round) histogram:",
             "",
@@ -73,7 +74,7 @@ def render_markdown(report: dict) -> str:
             "Mean round time: " + ", ".join(f"{k} {v:.2f} ms" for k, v in d["round_ms"].items())
             + f" (total {sum(d['round_ms'].values()):.2f} ms over {d['rounds']} rounds)"
             + (f"; drafts verified per round {d['verified_drafts']:.2f}" if d.get("verified_drafts") is not None else "")
-            + (f" (eval.draft_cutoff {cutoff})" if (cutoff := report.get("settings", {}).get("draft_cutoff")) else ""),
+            + (f" (eval.draft_cutoff {cutoff})" if method == "dflash" and (cutoff := report.get("settings", {}).get("draft_cutoff")) else ""),
             "",
         ]
     pictures = report.get("pictures") or {}
@@ -94,6 +95,8 @@ def render_markdown(report: dict) -> str:
             f"Trainer metrics: `{parity['metrics']}`." + (f" The gap exceeds {PARITY_TOLERANCE:.0%}: {parity['explanation']}" if parity["explanation"] else ""),
             "",
         ]
+        if parity.get("replay_tree_tau"):
+            out += [f"Tree verification: served-order replay {parity['replay_tree_tau']:.3f}, served dflash_tree tau {parity['served_tree_tau']:.3f}.", ""]
     if "training" in pictures:
         out += [f"![Training curves: loss and offline tau]({pictures['training']})", ""]
     bad = {name: m.get("mismatched_prompts") for name, m in methods.items() if m.get("lossless") is False}

@@ -22,6 +22,7 @@ from transformers import DynamicCache
 from flashdraft.model import extract_context_feature
 from flashdraft.sampling import check_sampling, sample, sampling_probs
 from harness.sampling import greedy_accept, rejection_sample
+from harness.tree import build_tree, greedy_path, tree_mask
 
 
 class DrafterProposer:
@@ -100,6 +101,16 @@ def _crop(cache: DynamicCache, length: int) -> None:
     cache.crop(length - cache.get_seq_length())  # transformers 5.x: crop takes minus the count to drop
 
 
+def _keep_rows(cache: DynamicCache, start: int, rows: list[int]) -> None:
+    """Keep the cached K/V of positions [0, start) and of the verify block's `rows` (in that order), drop
+    the other rows of the block: after a tree verify, the accepted path becomes the cache's tail."""
+    if rows == list(range(len(rows))):
+        return _crop(cache, start + len(rows))
+    keep = torch.cat([torch.arange(start), start + torch.tensor(rows)]).to(cache.layers[0].keys.device)
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys.index_select(-2, keep), layer.values.index_select(-2, keep)
+
+
 @torch.inference_mode()
 def speculative_generate(
     target,
@@ -114,6 +125,8 @@ def speculative_generate(
     block_size: int | None = None,
     generator: torch.Generator | None = None,
     draft_cutoff: float = 0.0,
+    tree_size: int = 0,
+    tree_branching: int = 4,
 ) -> Generation:
     """Generate up to `max_new_tokens` after `input_ids` (list or [1, n] tensor).
 
@@ -123,10 +136,19 @@ def speculative_generate(
 
     `draft_cutoff` > 0 verifies only the longest draft prefix whose cumulative draft confidence is
     at least `draft_cutoff` (0 verifies the whole block, as the reference does). Any prefix keeps
-    the output exact; a shorter verify forward is cheaper where its cost grows with its length (CPU)."""
+    the output exact; a shorter verify forward is cheaper where its cost grows with its length (CPU).
+
+    `tree_size` > 0 verifies a tree of that many draft candidates instead of one chain (`harness.tree`:
+    the most probable paths, `tree_branching` tokens a position); greedy only."""
     check_sampling(temperature, top_p, top_k)
     if not 0.0 <= draft_cutoff <= 1.0:
         raise ValueError(f"draft_cutoff must be in [0, 1], got {draft_cutoff}")
+    if tree_size < 0:
+        raise ValueError(f"tree_size must be >= 0 (0: verify one chain), got {tree_size}")
+    if tree_size and temperature > 0:
+        raise ValueError(f"tree verification is greedy only (temperature 0); got tree_size {tree_size} at temperature {temperature}")
+    if tree_size and draft_cutoff > 0:
+        raise ValueError("tree_size and draft_cutoff both choose what to verify: set one of them")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     block_size = block_size or (proposer.block_size if proposer is not None else 1)
@@ -176,44 +198,56 @@ def speculative_generate(
         t0 = clock(device)
         size = min(block_size, max_length - start)  # the last block shrinks to end at max_new_tokens
         block = output[:, start : start + size].clone()
+        verify_positions, verify_mask, tree = positions[:, start : start + size], None, None
         if size > 1:
             draft_logits = proposer(block, context, start)
-            if temperature > 0:
+            if tree_size:
+                tree = build_tree(draft_logits, tree_size, tree_branching)
+                block = torch.cat([block[:, :1], tree.tokens[None]], dim=1)
+                verify_positions = start + torch.tensor([0, *tree.depths], device=device)[None]
+                verify_mask = tree_mask(tree, start, device)
+            elif temperature > 0:
                 draft_probs = sampling_probs(draft_logits, temperature, top_p, top_k)
                 block[0, 1:] = sample(draft_probs, generator)
             else:
                 block[0, 1:] = draft_logits.argmax(dim=-1)
             if draft_cutoff > 0:
                 size = 1 + verified_prefix(draft_logits, draft_cutoff)
-                block = block[:, :size]
+                block, verify_positions = block[:, :size], verify_positions[:, :size]
                 if temperature > 0:
                     draft_probs = draft_probs[: size - 1]
-        result.verified_drafts.append(size - 1)
+        result.verified_drafts.append(block.shape[1] - 1)
         t1 = clock(device)
         out = target(
-            block, position_ids=positions[:, start : start + size], **kv, use_cache=True,
+            block, position_ids=verify_positions, attention_mask=verify_mask, **kv, use_cache=True,
             output_hidden_states=layer_ids is not None,
         )
         t2 = clock(device)
         logits = out.logits[0]
-        if temperature > 0:
+        if tree is not None:
+            path, token = greedy_path(tree, logits)
+        elif temperature > 0:
             target_probs = sampling_probs(logits, temperature, top_p, top_k)
             if size > 1:
                 accepted, token = rejection_sample(block[0, 1:], target_probs, draft_probs, generator)
             else:
                 accepted, token = 0, sample(target_probs[-1], generator)
+            path = list(range(1, accepted + 1))
         else:
             accepted, token = greedy_accept(block[0, 1:], logits)
-        output[0, start + 1 : start + accepted + 1] = block[0, 1 : accepted + 1]
+            path = list(range(1, accepted + 1))
+        accepted = len(path)
+        output[0, start + 1 : start + accepted + 1] = block[0, path]
         output[0, start + accepted + 1] = token
         produced = min(accepted + 1, max_length - start - 1)
         hits = torch.isin(output[0, start + 1 : start + produced + 1], stop).nonzero()
         if hits.numel():
             produced, stopped = int(hits[0, 0]) + 1, True
-        if layer_ids is not None:  # features of the block's verified positions: last token + accepted drafts
-            context = extract_context_feature(out.hidden_states, layer_ids)[:, :produced]
+        rows = [0, *path][:produced]  # block rows now committed with their K/V: the last token + accepted drafts
+        if layer_ids is not None:
+            context = extract_context_feature(out.hidden_states, layer_ids)[:, rows]
+        _keep_rows(cache, start, rows)
         start += produced
-        _crop(cache, start)
         result.acceptance_lengths.append(produced)
         t3 = clock(device)
         result.draft_s.append(t1 - t0)

@@ -78,5 +78,7 @@ def train_serve_parity(rows, served_tau: float | None, *, draft_cutoff: float = 
 
 def parity_line(parity: dict) -> str:
     replay = "" if not parity.get("replay_tau") else f", served-order replay on the stored responses {parity['replay_tau']:.3f}"
+    tree = "" if not parity.get("replay_tree_tau") else (
+        f"; tree verification: replay {parity['replay_tree_tau']:.3f} vs served dflash_tree tau {parity['served_tree_tau']:.3f}")
     return (f"train/serve parity: offline tau {parity['offline_tau']:.3f} (trainer's held-out eval, step "
-            f"{parity['offline_step']}){replay} vs served dflash tau {parity['served_tau']:.3f}: gap {100 * parity['relative_gap']:+.1f}%")
+            f"{parity['offline_step']}){replay} vs served dflash tau {parity['served_tau']:.3f}: gap {100 * parity['relative_gap']:+.1f}%{tree}")

@@ -57,7 +57,7 @@ def test_quick_eval_writes_reports(target_dir, tmp_path, capsys):
     report = run(compose_config(overrides(target_dir, tmp_path)))
     out = tmp_path / "eval"
     saved = json.loads((out / "report.json").read_text())
-    assert saved["methods"].keys() == {"plain", "prompt_lookup", "dflash"}
+    assert saved["methods"].keys() == {"plain", "prompt_lookup", "dflash", "dflash_tree"}
     s = saved["settings"]
     assert s["untrained_drafter"] is True and "UNTRAINED" in saved["warning"]
     assert s["prompt_counts"] == {"humaneval": 2, "mtbench": 2} and s["split"] == "heldout"
@@ -73,9 +73,12 @@ def test_quick_eval_writes_reports(target_dir, tmp_path, capsys):
     assert list(d["acceptance_histogram"]) == ["1", "2", "3", "4"]
     assert sum(d["acceptance_histogram"].values()) == d["rounds"] > 0
     assert d["round_ms"].keys() == {"draft", "verify", "bookkeeping"} and all(v > 0 for v in d["round_ms"].values())
+    t = saved["methods"]["dflash_tree"]
+    assert s["tree_size"] == 15 and s["tree_branching"] == 4 and sum(t["acceptance_histogram"].values()) == t["rounds"] > 0
+    assert 0 < t["verified_drafts"] <= 15  # a block of 4 offers at most 4 + 16 + 64 candidates: the tree takes 15
     assert len((out / "runs.jsonl").read_text().splitlines()) == 4
     md = (out / "report.md").read_text()
-    assert "UNTRAINED" in md and "| dflash |" in md and "prefill" in md
+    assert "UNTRAINED" in md and "| dflash |" in md and "| dflash_tree |" in md and "## dflash_tree rounds (tree of 15" in md and "prefill" in md
     printed = capsys.readouterr().out
     assert "| prompt_lookup |" in printed and "UNTRAINED" in printed
     assert report["methods"]["dflash"]["decode_tokens"] == saved["methods"]["dflash"]["decode_tokens"]
@@ -104,7 +107,13 @@ def test_missing_drafter_is_an_error_unless_allowed(target_dir, tmp_path):
 def test_full_config_composes():
     cfg = compose_config(["eval=full"])
     assert cfg.eval.name == "full" and cfg.eval.limit is None and cfg.eval.allow_untrained is False
-    assert list(cfg.eval.methods) == ["plain", "prompt_lookup", "dflash"]
+    assert list(cfg.eval.methods) == ["plain", "prompt_lookup", "dflash", "dflash_tree"]
+
+
+def test_tree_method_with_sampling_is_refused_by_name(target_dir, tmp_path):
+    cfg = compose_config(overrides(target_dir, tmp_path, "eval.temperature=0.7"))
+    with pytest.raises(ValueError, match="dflash_tree is greedy only"):
+        run(cfg)
 
 
 def test_python_dash_m_harness(target_dir, tmp_path):

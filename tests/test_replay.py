@@ -1,5 +1,6 @@
 """Served-order replay: on a store holding exactly the served responses and their features, replaying the
-rounds offline gives the served acceptance lengths round for round (with and without a draft cutoff)."""
+rounds offline gives the served acceptance lengths round for round (with and without a draft cutoff, and with
+tree verification)."""
 
 import pytest
 import torch
@@ -33,8 +34,8 @@ def served_store(tmp_path_factory):
     return target, proposer, path, served
 
 
-@pytest.mark.parametrize("cutoff", [0.0, 1e-4])
-def test_replay_gives_the_served_rounds(served_store, cutoff):
+@pytest.mark.parametrize("cutoff,tree_size", [(0.0, 0), (1e-4, 0), (0.0, 12)])
+def test_replay_gives_the_served_rounds(served_store, cutoff, tree_size):
     from flashdraft.store import StoreReader
 
     target, proposer, path, served = served_store
@@ -42,11 +43,11 @@ def test_replay_gives_the_served_rounds(served_store, cutoff):
     multi = 0
     for seq_id, p in served.items():
         for max_new in (40, 17):
-            live = speculative_generate(target, p, max_new_tokens=max_new, proposer=proposer, draft_cutoff=cutoff)
-            replayed = replay_acceptance(proposer, store, seq_id, max_new_tokens=max_new, draft_cutoff=cutoff)
+            live = speculative_generate(target, p, max_new_tokens=max_new, proposer=proposer, draft_cutoff=cutoff, tree_size=tree_size)
+            replayed = replay_acceptance(proposer, store, seq_id, max_new_tokens=max_new, draft_cutoff=cutoff, tree_size=tree_size)
             assert replayed == live.acceptance_lengths, (seq_id, max_new)
             multi += max(live.acceptance_lengths) > 1
     assert multi  # the agreeing drafter gets drafts accepted, so the rounds are not all single tokens
-    summary = replay_tau(proposer, path, [*served, "absent"], max_new_tokens=40, draft_cutoff=cutoff)
+    summary = replay_tau(proposer, path, [*served, "absent"], max_new_tokens=40, draft_cutoff=cutoff, tree_size=tree_size)
     assert summary["prompts"] == len(served) and summary["missing"] == 1 and summary["tau"] > 1.0
     assert replay_tau(proposer, path, ["absent"], max_new_tokens=40) is None

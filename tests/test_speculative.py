@@ -12,6 +12,7 @@ from flashdraft.model import DFlashDrafter, make_draft_config
 from flashdraft.target import EXACT_ATTENTION, cpu_has_bf16_tiles, frozen_head_from_model, make_verification_exact, needs_exact_verification
 from harness.prompt_lookup import prompt_lookup_generate
 from harness.speculative import DrafterProposer, speculative_generate
+from harness.tree import build_tree, follow, greedy_path, tree_mask
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")  # the reference's own calls
 
@@ -181,6 +182,93 @@ def test_commit_logic_with_oracle_drafts(block_size):
     assert spec.tau > 1.0
 
 
+# --- tree verification -------------------------------------------------------------------------
+
+
+def test_tree_keeps_the_most_probable_paths_parents_first():
+    probs = torch.tensor([[0.6, 0.25, 0.15], [0.55, 0.3, 0.15], [0.9, 0.06, 0.04]])
+    tree = build_tree(probs.log(), size=6, branching=3)
+    paths = []
+    for j in range(1, tree.size + 1):  # node j's path of tokens, from its parents
+        path, row = [], j
+        while row:
+            path.insert(0, int(tree.tokens[row - 1]))
+            row = tree.parents[row - 1]
+        paths.append(tuple(path))
+        assert tree.parents[j - 1] < j and tree.depths[j - 1] == len(path)
+    assert paths == [(0,), (0, 0), (0, 0, 0), (1,), (0, 1), (0, 1, 0)]  # 0.6, 0.33, 0.297, 0.25, 0.18, 0.162
+    score = lambda path: float(torch.prod(torch.stack([probs[d, t] for d, t in enumerate(path)])))  # noqa: E731
+    every = [(a,) for a in range(3)] + [(a, b) for a in range(3) for b in range(3)] + [(a, b, c) for a in range(3) for b in range(3) for c in range(3)]
+    assert sorted(map(score, paths)) == sorted(map(score, every))[-6:]  # the 6 most probable candidate paths
+    mask = tree_mask(tree, context=3)[0, 0].int().tolist()
+    assert mask[0] == [1, 1, 1, 1, 0, 0, 0, 0, 0, 0]  # the root sees the context and itself
+    assert mask[3] == [1, 1, 1, 1, 1, 1, 1, 0, 0, 0]  # (0, 0, 0): root, (0,), (0, 0) and itself
+    assert mask[6] == [1, 1, 1, 1, 1, 0, 0, 0, 1, 1]  # (0, 1, 0): root, (0,), (0, 1) and itself
+    assert mask[4] == [1, 1, 1, 1, 0, 0, 0, 1, 0, 0]  # (1,): root and itself
+    assert follow(tree, lambda row, depth: [0, 0, 0, 7][depth]) == [1, 2, 3]
+    assert follow(tree, lambda row, depth: [0, 1, 0, 7][depth]) == [1, 5, 6]
+    assert follow(tree, lambda row, depth: [1, 0, 5][depth]) == [4]
+    logits = torch.zeros(7, 3)
+    logits[[0, 4], [1, 2]] = 1.0  # the target: 1 after the root, 2 after (1,)
+    path, token = greedy_path(tree, logits)
+    assert path == [4] and int(token) == 2
+    assert build_tree(probs.log(), size=50, branching=1).depths == (1, 2, 3)  # a chain when one token a position
+
+
+class RunnerUpOracle(OracleProposer):
+    """The plain continuation as the second most probable draft at the generated-token indices `wrong`."""
+
+    def __call__(self, block, context, start):
+        logits = super().__call__(block, context, start) * 10.0
+        for k in range(1, block.shape[1]):
+            i = start + k - self.n
+            if i in self.wrong and i < len(self.plain):
+                logits[k - 1, self.plain[i]] = 9.0
+        return logits
+
+
+@pytest.mark.parametrize("tree_size,branching", [(1, 1), (4, 2), (15, 4), (40, 3)])
+def test_greedy_tree_verification_is_lossless(setup, tree_size, branching):
+    target, drafter, prompts, plain = setup
+    proposer = DrafterProposer(drafter, frozen_head_from_model(target))
+    accepted = []
+    for p, expected in zip(prompts, plain):
+        spec = speculative_generate(target, p, max_new_tokens=32, proposer=proposer, tree_size=tree_size, tree_branching=branching)
+        assert spec.tokens == expected
+        assert all(v == tree_size for v in spec.verified_drafts[:-1]) or tree_size == 40
+        assert proposer.cache.length == p.shape[1] + sum(spec.acceptance_lengths[:-1])
+        accepted += spec.acceptance_lengths
+    assert max(accepted) > 2 if tree_size > 1 else max(accepted) <= 2
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tree_accepts_runner_up_drafts_and_keeps_their_cache(arch):
+    """Drafts wrong at some positions but second best there: a chain stops at each, a tree walks through its
+    runner-up branch (the accepted rows are then not the block's first rows: the cache keeps that path)."""
+    target = tiny_target(arch, seed=3)
+    for p, wrong in zip(random_prompts(3, seed=5), [(2, 9), (4, 5, 20), tuple(range(1, 40, 3))]):
+        plain = speculative_generate(target, p, max_new_tokens=40).tokens
+        chain = speculative_generate(target, p, max_new_tokens=40, proposer=RunnerUpOracle(plain, p.shape[1], 8, wrong))
+        tree = speculative_generate(target, p, max_new_tokens=40, proposer=RunnerUpOracle(plain, p.shape[1], 8, wrong), tree_size=15, tree_branching=2)
+        assert chain.tokens == tree.tokens == plain
+        assert chain.acceptance_lengths == expected_rounds(40, 8, wrong)
+        assert len(tree.acceptance_lengths) < len(chain.acceptance_lengths)
+        eos = plain[min(wrong) + 1]  # a stop token inside a runner-up path
+        stopped = speculative_generate(target, p, max_new_tokens=40, proposer=RunnerUpOracle(plain, p.shape[1], 8, wrong), tree_size=15, tree_branching=2, stop_token_ids=[eos])
+        assert stopped.tokens == plain[: plain.index(eos) + 1] and stopped.stopped
+
+
+def test_tree_arguments_are_checked(setup):
+    target, drafter, prompts, _ = setup
+    proposer = DrafterProposer(drafter, frozen_head_from_model(target))
+    with pytest.raises(ValueError, match="greedy only"):
+        speculative_generate(target, prompts[0], max_new_tokens=4, proposer=proposer, tree_size=8, temperature=0.7)
+    with pytest.raises(ValueError, match="set one of them"):
+        speculative_generate(target, prompts[0], max_new_tokens=4, proposer=proposer, tree_size=8, draft_cutoff=0.1)
+    with pytest.raises(ValueError, match="tree_size"):
+        speculative_generate(target, prompts[0], max_new_tokens=4, proposer=proposer, tree_size=-1)
+
+
 def test_tau_reaches_block_size_with_perfect_drafts():
     target = tiny_target("llama", seed=4)
     p = random_prompts(1, seed=9)[0]
@@ -320,11 +408,28 @@ def test_bf16_on_cpu_is_lossless_with_exact_verification(arch):
     steps = [out.logits[0, -1]] + [target(ids[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True).logits[0, -1]
                                    for t in range(1, 45)]
     assert torch.equal(prefill, torch.stack(steps))
+    # a tree verify: each row gives the logits of one-token forwards along its own path
+    g = torch.Generator().manual_seed(4)
+    for start in range(70, 184, 19):
+        tree = build_tree(torch.randn(7, VOCAB, generator=g) * 3, size=15, branching=3)
+        out = target(ids[:, :start], use_cache=True)
+        rows = target(torch.cat([ids[:, start : start + 1], tree.tokens[None]], dim=1), past_key_values=out.past_key_values,
+                      position_ids=start + torch.tensor([[0, *tree.depths]]), attention_mask=tree_mask(tree, start), use_cache=True).logits[0]
+        for row in range(tree.size + 1):
+            path, r = [], row
+            while r:
+                path.insert(0, int(tree.tokens[r - 1]))
+                r = tree.parents[r - 1]
+            out = target(ids[:, :start], use_cache=True)
+            for t in [int(ids[0, start]), *path]:
+                step = target(torch.tensor([[t]]), past_key_values=out.past_key_values, use_cache=True)
+            assert torch.equal(rows[row], step.logits[0, -1]), (start, row)
     drafter = tiny_drafter(tiny_target(arch), block_size=8).to(torch.bfloat16)
     proposer = DrafterProposer(drafter, frozen_head_from_model(target))
     for p in random_prompts(6, seed=5):
         plain = speculative_generate(target, p, max_new_tokens=24).tokens
         assert speculative_generate(target, p, max_new_tokens=24, proposer=proposer).tokens == plain
+        assert speculative_generate(target, p, max_new_tokens=24, proposer=proposer, tree_size=15).tokens == plain
         assert prompt_lookup_generate(target, p, max_new_tokens=24, num_lookup_tokens=4, pad_token_id=0).tokens == plain
 
 

@@ -95,19 +95,28 @@ def test_unreachable_hub_target_fails_fast():
 
 
 def test_rowwise_attention_equals_masked_sdpa_and_skips_masks_that_hide_nothing():
-    from flashdraft.target import _rows_hiding_keys, rowwise_attention
+    from flashdraft.target import _row_keys, rowwise_attention
 
     g = torch.Generator().manual_seed(0)
     b, heads, kv_heads, q_len, kv_len, d = 2, 4, 2, 5, 12, 8
     q = torch.randn(b, heads, q_len, d, generator=g)
     k, v = torch.randn(b, kv_heads, kv_len, d, generator=g), torch.randn(b, kv_heads, kv_len, d, generator=g)
     causal = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)[None, None].expand(b, 1, -1, -1)
-    assert _rows_hiding_keys(None, q_len, kv_len) == [False] * q_len
-    assert _rows_hiding_keys(causal, q_len, kv_len) == [False] * q_len  # causal only: every row unmasked
+    ends = list(range(kv_len - q_len + 1, kv_len + 1))
+    assert _row_keys(None, q_len, kv_len) == [(e, None, False) for e in ends]
+    assert _row_keys(causal, q_len, kv_len) == [(e, None, False) for e in ends]  # causal only: every row unmasked
     padded = causal.clone()
     padded[1, :, :, :2] = False  # the second sequence is left-padded by two tokens
-    assert _rows_hiding_keys(padded, q_len, kv_len) == [True] * q_len
-    for mask in (causal, padded, torch.where(padded, 0.0, float("-inf"))):
-        out, _ = rowwise_attention(None, q, k, v, mask, scaling=d**-0.5)
-        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=d**-0.5, enable_gqa=True)
+    assert _row_keys(padded, q_len, kv_len) == [(e, None, True) for e in ends]
+    # A tree over the last 5 positions (root, two children of the root, a child of each): rows see their ancestors.
+    tree = causal[:1].clone()
+    tree[0, 0, 2, kv_len - 4] = False  # node 2 (a child of the root) does not see its sibling, node 1
+    tree[0, 0, 3, kv_len - 3] = False  # node 3, a child of node 1: not node 2
+    tree[0, 0, 4, kv_len - 4] = tree[0, 0, 4, kv_len - 2] = False  # node 4, a child of node 2: not nodes 1, 3
+    rows = _row_keys(tree, q_len, kv_len)
+    assert [r[1] is None for r in rows] == [True, True, False, False, False] and not any(r[2] for r in rows)
+    assert rows[4][1].tolist() == list(range(kv_len - 5)) + [kv_len - 5, kv_len - 3, kv_len - 1]
+    for qs, ks, vs, mask in [(q, k, v, causal), (q, k, v, padded), (q, k, v, torch.where(padded, 0.0, float("-inf"))), (q[:1], k[:1], v[:1], tree)]:
+        out, _ = rowwise_attention(None, qs, ks, vs, mask, scaling=d**-0.5)
+        want = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=d**-0.5, enable_gqa=True)
         torch.testing.assert_close(out, want.transpose(1, 2))

@@ -1,0 +1,117 @@
+"""Chain vs tree verification for a trained drafter: served-order replay tau and verify cost, one run.
+
+    .venv/bin/python benchmarks/bench_tree.py --drafter runs/full-smollm2-135m/drafter
+        --store runs/full-smollm2-135m/features [--sequences 60] [--max-new-tokens 256]
+        [--trees 3x2 7x2 7x4 11x4 15x4 15x8] [--cutoffs 0 0.1]
+
+Part 1 replays the served greedy rounds offline (`harness/replay.py`) on `--sequences` stored responses
+of `--store`, for a chain (each cutoff) and for each tree (size x branching): tau without the target.
+Part 2 times, on the embedded SmolLM2 target in the harness's dtype with exact verification and a cache
+of ~300 tokens, one plain decode step, one draft, and one verify forward of each shape (a chain of k
+drafts, or a tree of that size from real draft logits), interleaved. Printed per setting: replay tau,
+rows verified, the round cost in plain steps and the speedup it predicts (tau x plain step / round).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from transformers import DynamicCache
+
+from flashdraft.model import DFlashDrafter
+from flashdraft.store import StoreReader
+from flashdraft.target import frozen_head_from_model, load_target, make_verification_exact, needs_exact_verification, resolve_dtype
+from harness.replay import replay_acceptance
+from harness.speculative import DrafterProposer
+from harness.tree import build_tree, tree_mask
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--drafter", required=True)
+    ap.add_argument("--store", required=True, help="a feature store whose responses the replay walks")
+    ap.add_argument("--sequences", type=int, default=60)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--trees", nargs="+", default=["3x2", "7x2", "7x4", "11x4", "15x4", "15x8"], help="size x branching")
+    ap.add_argument("--cutoffs", type=float, nargs="+", default=[0.0, 0.1])
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--repeats", type=int, default=15)
+    args = ap.parse_args()
+    dtype = resolve_dtype(args.dtype, "cpu")
+    target, _ = load_target("smollm2-135m", dtype=dtype)
+    if needs_exact_verification(dtype, "cpu"):
+        make_verification_exact(target)
+    drafter = DFlashDrafter.from_pretrained(args.drafter, dtype=dtype)
+    proposer = DrafterProposer(drafter, frozen_head_from_model(target))
+    store = StoreReader(args.store)
+    seq_ids = store.seq_ids[:: max(1, len(store.seq_ids) // args.sequences)][: args.sequences]
+    trees = [tuple(int(x) for x in t.split("x")) for t in args.trees]
+    settings = [("chain", c, 0, 0) for c in args.cutoffs] + [("tree", 0.0, n, b) for n, b in trees]
+
+    taus, rows_verified = {}, {}
+    for setting in settings:
+        _, cutoff, size, branching = setting
+        lengths, verified = [], []
+        for s in seq_ids:
+            lengths += replay_acceptance(proposer, store, s, max_new_tokens=args.max_new_tokens, draft_cutoff=cutoff,
+                                         tree_size=size, tree_branching=branching, verified=verified)  # fmt: skip
+        taus[setting] = sum(lengths) / len(lengths)
+        rows_verified[setting] = 1 + round(sum(verified) / len(verified))  # a verify forward's rows, typically
+        print(f"replayed {setting}: tau {taus[setting]:.3f}, {sum(verified) / len(verified):.2f} drafts verified a round", flush=True)
+
+    # Verify cost: real draft logits at a real context, a cache of ~300 tokens.
+    seq = max((store.read(store.index(s), layers=proposer.layer_ids) for s in seq_ids[:10]), key=lambda q: len(q.input_ids))
+    ids = torch.as_tensor(seq.input_ids)[None]
+    start = min(300, ids.shape[1] - drafter.block_size)
+    features = seq.features.to(dtype)[None]
+    block = torch.full((1, drafter.block_size), drafter.mask_token_id)
+    block[0, 0] = ids[0, start]
+    with torch.inference_mode():
+        def draft():
+            proposer.start()
+            return proposer(block, features[:, :start], start)
+
+        logits = draft()
+        shapes = sorted(rows_verified.items(), key=lambda kv: kv[1])
+
+        def verify(setting, rows):
+            cache = DynamicCache(config=target.config)
+            target(ids[:, :start], cache=cache, use_cache=True, logits_to_keep=1)
+            kind, _, size, branching = setting
+            if kind == "tree":
+                tree = build_tree(logits, size, branching)
+                tokens = torch.cat([block[:, :1], tree.tokens[None]], dim=1)
+                kw = dict(position_ids=start + torch.tensor([[0, *tree.depths]]), attention_mask=tree_mask(tree, start))
+            else:
+                tokens, kw = ids[:, start : start + rows], dict(position_ids=torch.arange(start, start + rows)[None])
+            t0 = time.perf_counter()
+            target(tokens, cache=cache, use_cache=True, output_hidden_states=True, **kw)
+            return time.perf_counter() - t0
+
+        times = {"plain": [], "draft": [], **{s: [] for s, _ in shapes}}
+        for repeat in range(args.repeats + 1):  # the first pass warms up and is dropped
+            times["plain"].append(verify(("chain", 0, 0, 0), 1))
+            t0 = time.perf_counter()
+            draft()
+            times["draft"].append(time.perf_counter() - t0)
+            for setting, rows in shapes:
+                times[setting].append(verify(setting, rows))
+    ms = {k: 1000 * statistics.median(v[1:]) for k, v in times.items()}
+    print(f"\nSmolLM2-135M {str(dtype).removeprefix('torch.')} ({target.config._attn_implementation}), drafter {args.drafter} "
+          f"(block {drafter.block_size}), replay on {len(seq_ids)} responses of {args.store} (<= {args.max_new_tokens} tokens), "
+          f"cache {start} tokens, {torch.get_num_threads()} threads, medians of {args.repeats}")
+    print(f"plain step {ms['plain']:.1f} ms, draft {ms['draft']:.1f} ms")
+    print("setting            replay tau  rows  verify ms  round/plain step  predicted speedup")
+    for setting in settings:
+        kind, cutoff, size, branching = setting
+        name = f"chain cutoff {cutoff:g}" if kind == "chain" else f"tree {size}x{branching}"
+        round_ms = ms["draft"] + ms[setting]
+        print(f"{name:18s} {taus[setting]:10.3f}  {rows_verified[setting]:4d}  {ms[setting]:9.1f}  {round_ms / ms['plain']:16.2f}  "
+              f"{taus[setting] * ms['plain'] / round_ms:16.2f}x")
+
+
+if __name__ == "__main__":
+    main()
