@@ -126,6 +126,14 @@ def _flex_attention(q, k, v, block_mask, scale):
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
 
 
+def _on_rows(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`module` (linear layers, an MLP) over x's rows as one 2-D matrix: on CPU a 3-D input with few rows takes a
+    bmm that first copies the transposed weight (a [1, 2, 576] input through a 192 x 576 projection: 0.59 ms
+    against 0.03 ms in 2-D), which made a draft several ms slower."""
+    out = module(x.reshape(-1, x.shape[-1]))
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
 
@@ -166,14 +174,14 @@ class DraftAttention(nn.Module):
 
     def _kv(self, x: torch.Tensor, cos, sin):
         b, n, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        k = self.k_norm(_on_rows(self.k_proj, x).view(b, n, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = _on_rows(self.v_proj, x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return _apply_rope(k, cos, sin), v
 
     def forward(self, x, ctx, cos, sin, attention_mask=None, cache: DraftCache | None = None, layer_idx: int = 0):
         b, q_len, _ = x.shape
         c_len = ctx.shape[1]
-        q = self.q_norm(self.q_proj(x).view(b, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
+        q = self.q_norm(_on_rows(self.q_proj, x).view(b, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
         q = _apply_rope(q, cos[:, c_len:], sin[:, c_len:])
         k_ctx, v_ctx = self._kv(ctx, cos[:, :c_len], sin[:, :c_len])
         k_blk, v_blk = self._kv(x, cos[:, c_len:], sin[:, c_len:])
@@ -187,7 +195,7 @@ class DraftAttention(nn.Module):
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=attention_mask, scale=self.scaling, enable_gqa=self.num_heads != self.num_kv_heads
             )
-        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+        return _on_rows(self.o_proj, out.transpose(1, 2).reshape(b, q_len, -1))
 
 
 class DraftLayer(nn.Module):
@@ -200,7 +208,7 @@ class DraftLayer(nn.Module):
 
     def forward(self, x, ctx, cos, sin, attention_mask=None, cache=None, layer_idx=0):
         x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, attention_mask, cache, layer_idx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + _on_rows(self.mlp, self.post_attention_layernorm(x))
 
 
 class DFlashDrafter(nn.Module):
@@ -290,7 +298,7 @@ class DFlashDrafter(nn.Module):
         context features; position_ids [b, c + q]: absolute positions, context then block.
         attention_mask: None (all visible), a bool mask [b|1, 1, q, cache+c+q], or a BlockMask.
         With a cache, the new context K/V are appended to it; the block's are not."""
-        ctx = self.hidden_norm(self.fc(target_hidden))
+        ctx = self.hidden_norm(_on_rows(self.fc, target_hidden))
         cos, sin = self.rotary_emb(noise_embedding, position_ids)
         x = noise_embedding
         for i, layer in enumerate(self.layers):
