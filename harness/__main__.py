@@ -104,7 +104,7 @@ def run(cfg: DictConfig) -> dict:
     settings = DecodeSettings(
         max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p, top_k=e.top_k,
         block_size=block_size, prompt_lookup_num_tokens=e.prompt_lookup_num_tokens,
-        draft_cutoff=float(e.get("draft_cutoff") or 0.0), tree_size=int(e.get("tree_size") or 15),
+        draft_cutoff=float(e.get("draft_cutoff") or 0.0), tree_size=int(e.get("tree_size") or 7),
         tree_branching=int(e.get("tree_branching") or 4), seed=e.seed,
     )
     prompts = build_prompts(

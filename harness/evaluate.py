@@ -54,7 +54,7 @@ class DecodeSettings:
     block_size: int | None = None  # None: the drafter's
     prompt_lookup_num_tokens: int = 10
     draft_cutoff: float = 0.0  # dflash: verify the draft prefix of cumulative draft probability >= this (0: all)
-    tree_size: int = 15  # dflash_tree: draft candidates verified a round
+    tree_size: int = 7  # dflash_tree: draft candidates verified a round
     tree_branching: int = 4  # dflash_tree: candidate tokens a block position
     seed: int = 0
 

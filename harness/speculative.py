@@ -8,6 +8,8 @@ plus one target token are committed and the target cache is cropped to the commi
 K/V it has computed (the newest token's K/V come with the next block). Greedy acceptance keeps the
 plain greedy output token for token; sampling uses speculative rejection sampling, which keeps the
 target's distribution. Block size 1 is plain decoding: no drafter call, one token per forward.
+With `tree_size`, the target verifies a tree of the draft's most probable candidates instead of one
+chain (`harness/tree.py`) and the cache keeps the accepted path (greedy only).
 """
 
 from __future__ import annotations
