@@ -10,8 +10,10 @@ acceptance.png and training.png (from eval.metrics, the trainer's metrics.jsonl)
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import hydra
@@ -34,6 +36,7 @@ from harness.evaluate import (
     build_prompts,
     environment,
     evaluate,
+    finished_records,
     load_drafter,
     summarize,
 )
@@ -79,6 +82,17 @@ def add_pictures_and_parity(report: dict, records: list[dict], out_dir: Path, me
     report["pictures"], report["train_serve_parity"] = pictures, parity
 
 
+def run_key(settings: DecodeSettings, methods, drafter_name, drafter_dir, fingerprint: dict, dtype, device) -> str:
+    """What a finished prompt's measurement depends on: an interrupted eval resumes only under the same key."""
+    weights = Path(drafter_dir, "model.safetensors") if drafter_dir else None
+    identity = {
+        "settings": asdict(settings), "methods": list(methods), "drafter": drafter_name,
+        "drafter_weights": [weights.stat().st_size, weights.stat().st_mtime_ns] if weights and weights.is_file() else None,
+        "target": fingerprint, "dtype": str(dtype), "device": str(device), "threads": torch.get_num_threads(),
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def run(cfg: DictConfig) -> dict:
     e, m = cfg.eval, cfg.model
     if e.num_threads:
@@ -114,10 +128,19 @@ def run(cfg: DictConfig) -> dict:
     out_dir = Path(e.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     log_path = out_dir / "runs.jsonl"
-    log_path.unlink(missing_ok=True)
+    fingerprint = target_fingerprint(m.target)
+    key = run_key(settings, methods, drafter_path, e.drafter if proposer and not untrained else None, fingerprint, dtype, device)
+    done = {}
+    if e.get("resume", True):
+        done = finished_records(log_path, key, [p.seq_id for p in prompts])
+        if done:
+            print(f"resuming: {len(done)} of {len(prompts)} prompts were finished by an interrupted run with the same "
+                  f"settings ({log_path}; eval.resume=false starts over)")
+    else:
+        log_path.unlink(missing_ok=True)
     records = evaluate(
         target, prompts, settings, methods=methods, proposer=proposer, stop_token_ids=stop_token_ids(target, tokenizer),
-        log_path=log_path, warmup=e.warmup,
+        log_path=log_path, warmup=e.warmup, done=done, run_key=key,
     )
     counts = {}
     for p in prompts:
@@ -125,7 +148,7 @@ def run(cfg: DictConfig) -> dict:
     report = {
         "settings": {
             "target": str(m.target),
-            "target_fingerprint": target_fingerprint(m.target),
+            "target_fingerprint": fingerprint,
             "drafter": drafter_path,
             "untrained_drafter": untrained,
             "drafter_layer_ids": proposer.layer_ids if proposer else None,
@@ -144,6 +167,7 @@ def run(cfg: DictConfig) -> dict:
             "tree_branching": settings.tree_branching if "dflash_tree" in methods else None,
             "methods": methods,
             "seed": e.seed,
+            "resumed_prompts": len(done),
             "device": str(device),
             "dtype": str(dtype).removeprefix("torch."),
             "attention": target.config._attn_implementation,

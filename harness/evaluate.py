@@ -136,10 +136,33 @@ def run_method(method, target, prompt: EvalPrompt, settings: DecodeSettings, *, 
     raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
 
 
+def finished_records(log_path, run_key: str, seq_ids) -> dict[str, dict]:
+    """The prompts of `seq_ids` an earlier, interrupted run with the same `run_key` finished, by seq_id. The log
+    is rewritten to hold just those lines (a line cut short by the crash, from other settings or for prompts not
+    asked for now is dropped)."""
+    seq_ids = set(seq_ids)
+    log_path = Path(log_path)
+    if not log_path.is_file():
+        return {}
+    done = {}
+    for line in log_path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and record.get("run_key") == run_key and record.get("seq_id") in seq_ids:
+            done[record["seq_id"]] = record
+    tmp = log_path.with_name(log_path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in done.values()))
+    tmp.replace(log_path)
+    return done
+
+
 def evaluate(target, prompts, settings: DecodeSettings, *, methods=METHODS, proposer=None, stop_token_ids=(),
-             log_path=None, warmup=True, progress=True) -> list[dict]:
+             log_path=None, warmup=True, progress=True, done: dict[str, dict] | None = None, run_key=None) -> list[dict]:
     """Run every method on every prompt (methods interleaved per prompt, so load drifts hit all alike).
-    One line per prompt is appended to `log_path` as it finishes."""
+    One line per prompt is appended to `log_path` as it finishes (tagged with `run_key`); prompts in `done`
+    (seq_id -> record, from `finished_records`) are taken as they are, not run again."""
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown methods {unknown}; known: {', '.join(METHODS)}")
@@ -148,7 +171,10 @@ def evaluate(target, prompts, settings: DecodeSettings, *, methods=METHODS, prop
         raise ValueError(f"method {drafting[0]} needs a drafter")
     if "dflash_tree" in methods and settings.temperature > 0:
         raise ValueError(f"method dflash_tree is greedy only: drop it from eval.methods or set eval.temperature=0 (got {settings.temperature})")
-    if warmup and prompts:  # first calls pay one-off costs (allocator, kernels); keep them out of the timing
+    done = done or {}
+    if any(method not in done[p.seq_id]["methods"] for p in prompts if p.seq_id in done for method in methods):
+        raise ValueError("finished records lack some of the methods asked for; their run_key must cover the methods")
+    if warmup and any(p.seq_id not in done for p in prompts):  # first calls pay one-off costs (allocator, kernels); keep them out of the timing
         short = DecodeSettings(**{**asdict(settings), "max_new_tokens": min(8, settings.max_new_tokens)})
         for method in methods:
             run_method(method, target, prompts[0], short, proposer=proposer, stop_token_ids=stop_token_ids)
@@ -157,7 +183,13 @@ def evaluate(target, prompts, settings: DecodeSettings, *, methods=METHODS, prop
     log = open(log_path, "a") if log_path else None
     try:
         for i, prompt in enumerate(prompts):
+            if prompt.seq_id in done:
+                records.append(done[prompt.seq_id])
+                bar.update(len(methods))
+                continue
             record = {"source": prompt.source, "record_id": prompt.record_id, "seq_id": prompt.seq_id, "prompt_tokens": len(prompt.input_ids), "methods": {}}
+            if run_key is not None:
+                record["run_key"] = run_key
             for method in methods:
                 bar.set_postfix_str(f"{prompt.source}/{prompt.record_id} {method}")
                 g = run_method(method, target, prompt, settings, proposer=proposer, stop_token_ids=stop_token_ids, seed=settings.seed + i)

@@ -54,6 +54,8 @@ def render_markdown(report: dict) -> str:
         f"Timing: {TIMING_NOTE}",
         "",
     ]
+    if s.get("resumed_prompts"):
+        out[-1:-1] = [f"Resumed: {s['resumed_prompts']} prompts were measured by an interrupted run with the same settings.", ""]
     sources = list(next(iter(methods.values()))["by_source"])
     for source in sources:
         out += [f"## {source}", "", methods_table({name: m["by_source"][source] for name, m in methods.items()}), ""]

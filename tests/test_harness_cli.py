@@ -98,6 +98,29 @@ def test_trained_drafter_is_loaded_and_sampling_runs(target_dir, tmp_path):
     assert "warning" not in report
 
 
+def test_interrupted_eval_resumes_without_rerunning_finished_prompts(target_dir, tmp_path, capsys):
+    over = overrides(target_dir, tmp_path, "eval.methods=[plain,dflash]")
+    first = run(compose_config(over))
+    log = tmp_path / "eval" / "runs.jsonl"
+    lines = log.read_text().splitlines()
+    assert len(lines) == 4 and first["settings"]["resumed_prompts"] == 0
+    log.write_text("\n".join(lines[:2]) + "\n" + lines[2][: len(lines[2]) // 2])  # killed while writing the third line
+    second = run(compose_config(over))
+    assert second["settings"]["resumed_prompts"] == 2 and "resuming: 2 of 4 prompts" in capsys.readouterr().out
+    again = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["seq_id"] for r in again] == [json.loads(line)["seq_id"] for line in lines]
+    assert again[:2] == [json.loads(line) for line in lines[:2]]  # taken as measured, not run again
+    assert again[2]["methods"]["plain"]["decode_s"] != json.loads(lines[2])["methods"]["plain"]["decode_s"]  # rerun
+    for method in ("plain", "dflash"):
+        assert second["methods"][method]["new_tokens"] == first["methods"][method]["new_tokens"]
+    assert second["methods"]["dflash"]["lossless"] is True
+    assert "Resumed: 2 prompts" in (tmp_path / "eval" / "report.md").read_text()
+    other = run(compose_config([*over, "eval.max_new_tokens=10"]))  # other settings: nothing is reused
+    assert other["settings"]["resumed_prompts"] == 0 and len(log.read_text().splitlines()) == 4
+    fresh = run(compose_config([*over, "eval.max_new_tokens=10", "eval.resume=false"]))
+    assert fresh["settings"]["resumed_prompts"] == 0 and len(log.read_text().splitlines()) == 4
+
+
 def test_missing_drafter_is_an_error_unless_allowed(target_dir, tmp_path):
     cfg = compose_config(overrides(target_dir, tmp_path, f"eval.drafter={tmp_path / 'none'}", "eval.allow_untrained=false"))
     with pytest.raises(FileNotFoundError, match="no drafter at"):
