@@ -5,16 +5,23 @@ stay unseen. For training variety without a hub, this source turns the docstring
 classes and methods of the standard library (and the language-reference topics of `pydoc_data`) into
 instructions: write a function that does what a docstring says, explain an API, show its use, compare it,
 fix a bug around it. The set depends only on the Python version, and is sorted, so it is the same on every
-machine with the same Python.
+machine with the same Python: the standard library is read by a fresh interpreter that sees nothing else, since
+a process that has imported other packages sees their patches (transformers adds `logging.Logger.warning_advice`;
+others replace `inspect` functions).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import inspect
+import json
+import subprocess
 import sys
+import tempfile
 import warnings
+from pathlib import Path
 
 SKIP_MODULES = {
     "antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "test", "lib2to3", "ensurepip", "venv",
@@ -64,8 +71,31 @@ def _stdlib_public_objects():
                     yield module_name, name, obj
 
 
+@functools.cache
+def _stdlib_items() -> dict[str, list[tuple]]:
+    """doc_items and stub_items as a fresh interpreter that sees only the standard library (-I -S) finds them."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp, "items.json")
+        done = subprocess.run([sys.executable, "-I", "-S", str(Path(__file__).resolve()), str(out)], env={"LC_ALL": "C.UTF-8"},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=900)  # fmt: skip
+        if done.returncode != 0 or not out.is_file():
+            raise RuntimeError(f"reading the standard library's docstrings in {sys.executable} -I -S failed "
+                               f"(exit {done.returncode}): {done.stderr[-2000:]}")
+        items = json.loads(out.read_text(encoding="utf-8"))
+    return {kind: [tuple(item) for item in rows] for kind, rows in items.items()}
+
+
 def doc_items() -> list[tuple[str, str, str]]:
     """(module, qualified name, docstring summary) for the documented public API of the stdlib."""
+    return _stdlib_items()["doc"]
+
+
+def stub_items() -> list[tuple[str, str, str, str]]:
+    """(module, qualified name, signature, docstring) of the stdlib's documented functions and methods written in Python."""
+    return _stdlib_items()["stub"]
+
+
+def _doc_items_here() -> list[tuple[str, str, str]]:
     items = set()
     for module_name, name, obj in _stdlib_public_objects():
         if not (inspect.isfunction(obj) or inspect.isclass(obj) or inspect.isbuiltin(obj)):
@@ -114,8 +144,15 @@ def _stub_doc(doc: str, limit: int = 900) -> str:
     return "\n\n".join(text)[:limit]
 
 
-def stub_items() -> list[tuple[str, str, str, str]]:
-    """(module, qualified name, signature, docstring) of the stdlib's documented functions and methods written in Python."""
+def _literal(default) -> bool:
+    """A default a stub can show: not an object whose repr is the machine's (os.environ, <object at 0x..>, paths)."""
+    if isinstance(default, (tuple, frozenset)):
+        return all(_literal(d) for d in default)
+    return default is inspect.Parameter.empty or default is None or type(default) in (bool, int, float, complex) or (
+        type(default) in (str, bytes) and len(default) <= 40 and "/" not in str(default))
+
+
+def _stub_items_here() -> list[tuple[str, str, str, str]]:
     items = []
     for module_name, name, obj in _stdlib_public_objects():
         members = [(name, obj)] if inspect.isfunction(obj) else []
@@ -124,10 +161,11 @@ def stub_items() -> list[tuple[str, str, str, str]]:
         for qual, fn in members:
             doc = inspect.getdoc(fn) or ""
             try:
+                parameters = inspect.signature(fn).parameters.values()
                 signature = str(inspect.signature(fn))
             except (TypeError, ValueError):
                 continue
-            if len(doc) < 40 or "<" in signature or "\n" in signature:  # reprs such as <object at 0x..> vary by run
+            if len(doc) < 40 or "\n" in signature or not all(_literal(p.default) for p in parameters):
                 continue
             items.append((module_name, qual, signature, doc))
     return items
@@ -145,3 +183,7 @@ def stub_prompts() -> list[tuple[str, str]]:
         indented = "\n".join(("    " + line) if line else "" for line in body.splitlines())
         out.append((f"{module}.{qual}", f'def {name}{signature}:\n    """{indented.lstrip()}\n    """'))
     return sorted(out, key=lambda r: hashlib.sha256(r[0].encode()).hexdigest())  # a `limit` takes a spread of modules
+
+
+if __name__ == "__main__":  # run by _stdlib_items in an interpreter that sees only the standard library
+    Path(sys.argv[1]).write_text(json.dumps({"doc": _doc_items_here(), "stub": _stub_items_here()}), encoding="utf-8")

@@ -112,6 +112,24 @@ def test_a_per_source_limit_caps_each_source_it_names():
         load_records(["humaneval"], limit={"chatseeds": 5})
 
 
+def test_stdlib_prompts_do_not_depend_on_what_the_process_imported_or_its_environment(monkeypatch):
+    import inspect
+    import logging
+
+    from flashdraft import docprompts
+
+    docprompts._stdlib_items.cache_clear()
+    stubs, docs = docprompts.stub_prompts(), docprompts.doc_prompts()
+    # what importing transformers or a profiler does to this process's stdlib, and a secret in the environment
+    monkeypatch.setattr(logging.Logger, "warning_advice", lambda self, *a: None, raising=False)
+    monkeypatch.setattr(inspect, "getfile", lambda obj, extra=None: "patched", raising=True)
+    monkeypatch.setenv("FLASHDRAFT_PROBE_SECRET", "s3cret-value-9174")
+    docprompts._stdlib_items.cache_clear()
+    assert docprompts.stub_prompts() == stubs and docprompts.doc_prompts() == docs
+    assert not any("warning_advice" in key for key, _ in stubs + docs)
+    assert not any("s3cret-value-9174" in text or "environ(" in text for _, text in stubs)  # os.environ defaults left out
+
+
 def test_the_full_profile_takes_its_per_source_limits_from_hydra():
     from pathlib import Path
 
@@ -125,3 +143,4 @@ def test_the_full_profile_takes_its_per_source_limits_from_hydra():
     counts = {s: sum(r.source == s for r in records) for s in cfg.data.sources}
     assert {s: counts[s] for s in cfg.data.limit} == dict(cfg.data.limit)
     assert counts["humaneval"] == len(load_prompts("humaneval", split="train"))
+    assert counts["pystubs"] == len(load_prompts("pystubs", split="train")) > 1000
