@@ -165,20 +165,30 @@ def _row_keys(mask, q_len: int, kv_len: int) -> list[tuple[int, torch.Tensor | N
     return [(e, None, h) for e, h in zip(ends, hiding.any(dim=0).tolist())]
 
 
-def _row_plan(mask, q_len: int, kv_len: int) -> list[tuple[int, list[int] | None, bool]]:
-    """`_row_keys` with each gathered row as (prefix, keys): the row sees `keys`, of which the first `prefix`
-    are [0, prefix) (a tree row: the context and the root, then its ancestors and itself). Computed once per
-    forward: every layer gets the same mask object."""
+def _row_plan(mask, q_len: int, kv_len: int) -> list[tuple[int, tuple[int, torch.Tensor | None] | None, bool]]:
+    """Per query row (end, write, masked): a row of `_row_keys` without gathered keys attends to the view [0, end)
+    of the keys (write None). A gathered row (a tree row: the context and the root, then its ancestors and itself)
+    attends to [0, end) of a scratch copy of the keys, after `write` = (first, src) has put keys[src] at
+    [first, end) (src None: the scratch already holds that path, left by the row before). Which scratch positions
+    hold which key is the same in every layer, so the plan is worked out once per forward (every layer gets the
+    same mask object) and a layer only copies."""
     plan = getattr(mask, "_flashdraft_row_plan", None)
     if plan is not None and plan[0] == (q_len, kv_len):
         return plan[1]
-    plan = []
+    plan, held, clean = [], list(range(kv_len)), kv_len  # held[pos]: the key the scratch holds; below `clean` its own
     for end, keys, masked in _row_keys(mask, q_len, kv_len):
         if keys is None:
             plan.append((end, None, masked))
             continue
         keys = keys.tolist()
-        plan.append((next((j for j, k in enumerate(keys) if k != j), len(keys)), keys, False))
+        prefix = next((j for j, k in enumerate(keys) if k != j), len(keys))
+        first = next((pos for pos in range(min(prefix, clean), len(keys)) if held[pos] != keys[pos]), len(keys))
+        src = None
+        if first < len(keys):
+            src = torch.tensor(keys[first:], device=mask.device)
+            held[first : len(keys)] = keys[first:]
+            clean = min(clean, first)
+        plan.append((len(keys), (first, src), False))
     if mask is not None:
         mask._flashdraft_row_plan = ((q_len, kv_len), plan)
     return plan
@@ -191,24 +201,19 @@ def rowwise_attention(module, query, key, value, attention_mask, scaling=None, d
     mask (transformers' generate passes one, the harness does not).
 
     A tree row's keys (the context, then its ancestors) are laid out in a scratch copy of the keys: its tail
-    is written after the shared prefix, only where the previous row left other keys, and the row attends to
-    a view of the scratch, as a decode step over that path attends to its cache."""
+    is written after the shared prefix, only where the previous row left other keys (`_row_plan`), and the row
+    attends to a view of the scratch, as a decode step over that path attends to its cache."""
     scratch, out = None, []
-    for i, (end, keys, masked) in enumerate(_row_plan(attention_mask, query.shape[2], key.shape[2])):
-        if keys is None:  # views, not copies: the kernel reads by strides alike
+    for i, (end, write, masked) in enumerate(_row_plan(attention_mask, query.shape[2], key.shape[2])):
+        if write is None:  # views, not copies: the kernel reads by strides alike
             k, v = key[:, :, :end], value[:, :, :end]
         else:
-            if scratch is None:  # held[pos]: which key the scratch holds at pos; below `clean` it holds its own
-                scratch, held, clean = (key.clone(), value.clone()), list(range(key.shape[2])), key.shape[2]
-            lo = min(end, clean)
-            first = next((pos for pos in range(lo, len(keys)) if held[pos] != keys[pos]), len(keys))
-            if first < len(keys):
-                src = torch.tensor(keys[first:], device=key.device)
-                scratch[0][:, :, first : len(keys)] = key.index_select(2, src)
-                scratch[1][:, :, first : len(keys)] = value.index_select(2, src)
-                held[first : len(keys)] = keys[first:]
-                clean = min(clean, first)
-            end = len(keys)
+            if scratch is None:
+                scratch = (key.clone(), value.clone())
+            first, src = write
+            if src is not None:
+                scratch[0][:, :, first:end] = key.index_select(2, src)
+                scratch[1][:, :, first:end] = value.index_select(2, src)
             k, v = scratch[0][:, :, :end], scratch[1][:, :, :end]
         out.append(F.scaled_dot_product_attention(
             query[:, :, i : i + 1], k, v, attn_mask=attention_mask[:, :, i : i + 1, :end] if masked else None,
