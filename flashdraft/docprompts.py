@@ -161,10 +161,10 @@ def _stub_items_here() -> list[tuple[str, str, str, str]]:
         for qual, fn in members:
             doc = inspect.getdoc(fn) or ""
             try:
-                parameters = inspect.signature(fn).parameters.values()
-                signature = str(inspect.signature(fn))
+                signature = inspect.signature(fn)
             except (TypeError, ValueError):
                 continue
+            parameters, signature = signature.parameters.values(), str(signature)
             if len(doc) < 40 or "\n" in signature or not all(_literal(p.default) for p in parameters):
                 continue
             items.append((module_name, qual, signature, doc))
