@@ -2,15 +2,18 @@
 
     .venv/bin/python benchmarks/bench_tree.py --drafter runs/full-smollm2-135m/drafter
         --store runs/full-smollm2-135m/features [--sequences 60] [--max-new-tokens 256]
-        [--trees 3x2 7x2 7x4 11x4 15x4 15x8] [--cutoffs 0 0.1]
+        [--trees 3x2 7x2 7x4 11x4 15x4 15x8] [--cutoffs 0 0.1] [--lookups 2 3]
 
 Part 1 replays the served greedy rounds offline (`harness/replay.py`) on `--sequences` stored responses
-of `--store`, for a chain (each cutoff) and for each tree (size x branching): tau without the target.
+of `--store`, for a chain (each cutoff), for each tree (size x branching) and for `dflash_lookup` with the
+first tree and each `--lookups` n-gram size (lookup rounds of up to `--lookup-tokens`): tau without the target.
 Part 2 times, on the embedded SmolLM2 target in the harness's dtype with exact verification and a cache
 of ~300 tokens, one plain decode step, one draft (its cache holding all but the 2 newest context tokens,
 as in a served round), and one verify forward of each shape (a chain of as many drafts as the replay
 verified on average, or a tree of that size from real draft logits), interleaved. Printed per setting: replay tau,
-rows verified, the round cost in plain steps and the speedup it predicts (tau x plain step / round).
+rows verified, the round cost in plain steps and the speedup it predicts (tau x plain step / round; for lookup
+settings the mean over its tree rounds, draft + tree verify, and its lookup rounds, a chain verify of the mean
+lookup rows and no draft).
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--trees", nargs="+", default=["3x2", "7x2", "7x4", "11x4", "15x4", "15x8"], help="size x branching")
     ap.add_argument("--cutoffs", type=float, nargs="+", default=[0.0, 0.1])
+    ap.add_argument("--lookups", type=int, nargs="*", default=[2, 3], help="dflash_lookup n-gram sizes (with the first tree)")
+    ap.add_argument("--lookup-tokens", type=int, default=10)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--repeats", type=int, default=15)
     args = ap.parse_args()
@@ -51,16 +56,24 @@ def main() -> None:
     seq_ids = store.seq_ids[:: max(1, len(store.seq_ids) // args.sequences)][: args.sequences]
     trees = [tuple(int(x) for x in t.split("x")) for t in args.trees]
     settings = [("chain", c, 0, 0) for c in args.cutoffs] + [("tree", 0.0, n, b) for n, b in trees]
+    lookup_settings = [("lookup", ngram, *trees[0]) for ngram in args.lookups]
 
-    taus, rows_verified = {}, {}
-    for setting in settings:
-        _, cutoff, size, branching = setting
-        lengths, verified = [], []
+    taus, rows_verified, lookup_share = {}, {}, {}
+    for setting in settings + lookup_settings:
+        kind, cutoff, size, branching = setting
+        lengths, verified, lookups = [], [], []
+        ngram = cutoff if kind == "lookup" else 0
         for s in seq_ids:
-            lengths += replay_acceptance(proposer, store, s, max_new_tokens=args.max_new_tokens, draft_cutoff=cutoff,
-                                         tree_size=size, tree_branching=branching, verified=verified)  # fmt: skip
+            lengths += replay_acceptance(proposer, store, s, max_new_tokens=args.max_new_tokens, draft_cutoff=0.0 if ngram else cutoff,
+                                         tree_size=size, tree_branching=branching, lookup_ngram=ngram,
+                                         lookup_tokens=args.lookup_tokens, verified=verified, lookups=lookups)  # fmt: skip
         taus[setting] = sum(lengths) / len(lengths)
-        rows_verified[setting] = 1 + round(sum(verified) / len(verified))  # a verify forward's rows, typically
+        if kind == "lookup":
+            looked = [v for v, k in zip(verified, lookups) if k]
+            lookup_share[setting] = len(looked) / len(lookups)
+            rows_verified[setting] = 1 + round(sum(looked) / max(len(looked), 1))  # its lookup rounds' verify rows
+        else:
+            rows_verified[setting] = 1 + round(sum(verified) / len(verified))  # a verify forward's rows, typically
         print(f"replayed {setting}: tau {taus[setting]:.3f}, {sum(verified) / len(verified):.2f} drafts verified a round", flush=True)
 
     # Verify cost: real draft logits at a real context, a cache of ~300 tokens.
@@ -85,6 +98,8 @@ def main() -> None:
             cache = DynamicCache(config=target.config)
             target(ids[:, :start], cache=cache, use_cache=True, logits_to_keep=1)
             kind, _, size, branching = setting
+            if kind == "lookup":
+                kind, size = "chain", 0
             if kind == "tree":
                 tree = build_tree(logits, size, branching)
                 tokens = torch.cat([block[:, :1], tree.tokens[None]], dim=1)
@@ -95,6 +110,7 @@ def main() -> None:
             target(tokens, cache=cache, use_cache=True, output_hidden_states=True, **kw)
             return time.perf_counter() - t0
 
+        shapes += [(s, rows_verified[s]) for s in lookup_settings]
         times = {"plain": [], "draft": [], **{s: [] for s, _ in shapes}}
         for repeat in range(args.repeats + 1):  # the first pass warms up and is dropped
             times["plain"].append(verify(("chain", 0, 0, 0), 1))
@@ -113,6 +129,13 @@ def main() -> None:
         round_ms = ms["draft"] + ms[setting]
         print(f"{name:18s} {taus[setting]:10.3f}  {rows_verified[setting]:4d}  {ms[setting]:9.1f}  {round_ms / ms['plain']:16.2f}  "
               f"{taus[setting] * ms['plain'] / round_ms:16.2f}x")
+    for setting in lookup_settings:
+        _, ngram, size, branching = setting
+        share, tree = lookup_share[setting], ("tree", 0.0, size, branching)
+        round_ms = share * ms[setting] + (1 - share) * (ms["draft"] + ms[tree])
+        name = f"lookup {ngram} + tree {size}x{branching}"
+        print(f"{name:18s} {taus[setting]:10.3f}  {rows_verified[setting]:4d}  {ms[setting]:9.1f}  {round_ms / ms['plain']:16.2f}  "
+              f"{taus[setting] * ms['plain'] / round_ms:16.2f}x  ({100 * share:.0f}% lookup rounds; rows and verify ms: theirs)")
 
 
 if __name__ == "__main__":

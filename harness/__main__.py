@@ -4,6 +4,7 @@
     python -m harness eval=full eval.drafter=PATH
     python -m harness eval.limit=2 eval.temperature=0.7 eval.methods=[plain,dflash]
     python -m harness eval.methods=[plain,dflash,dflash_tree] eval.tree_size=15   # tree verification (greedy)
+    python -m harness eval.methods=[plain,prompt_lookup,dflash_lookup] eval.lookup_ngram=2   # DFlash + lookup rounds
 Writes report.json, report.md and runs.jsonl (one line per prompt, as it goes) into eval.out_dir, with
 acceptance.png and training.png (from eval.metrics, the trainer's metrics.jsonl) next to report.md.
 """
@@ -119,7 +120,7 @@ def run(cfg: DictConfig) -> dict:
         max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p, top_k=e.top_k,
         block_size=block_size, prompt_lookup_num_tokens=e.prompt_lookup_num_tokens,
         draft_cutoff=float(e.get("draft_cutoff") or 0.0), tree_size=int(e.get("tree_size") or 7),
-        tree_branching=int(e.get("tree_branching") or 4), seed=e.seed,
+        tree_branching=int(e.get("tree_branching") or 4), lookup_ngram=int(e.get("lookup_ngram", 3)), seed=e.seed,
     )
     prompts = build_prompts(
         tokenizer, OmegaConf.to_object(e.prompts) if OmegaConf.is_config(e.prompts) else e.prompts,
@@ -163,8 +164,9 @@ def run(cfg: DictConfig) -> dict:
             "block_size": block_size,
             "prompt_lookup_num_tokens": e.prompt_lookup_num_tokens,
             "draft_cutoff": settings.draft_cutoff,
-            "tree_size": settings.tree_size if "dflash_tree" in methods else None,
-            "tree_branching": settings.tree_branching if "dflash_tree" in methods else None,
+            "tree_size": settings.tree_size if {"dflash_tree", "dflash_lookup"} & set(methods) else None,
+            "tree_branching": settings.tree_branching if {"dflash_tree", "dflash_lookup"} & set(methods) else None,
+            "lookup_ngram": settings.lookup_ngram if "dflash_lookup" in methods else None,
             "methods": methods,
             "seed": e.seed,
             "resumed_prompts": len(done),
@@ -201,7 +203,8 @@ def run(cfg: DictConfig) -> dict:
     for method in (m for m in methods if m in DRAFTER_METHODS):
         d = report["methods"][method]
         verified = "" if d.get("verified_drafts") is None else f"; drafts verified per round {d['verified_drafts']:.2f}"
-        print(f"{method} acceptance histogram {json.dumps(d['acceptance_histogram'])}{verified}; round ms "
+        lookup = f"; lookup rounds {d['lookup_rounds']} of {d['rounds']}" if "lookup_rounds" in d else ""
+        print(f"{method} acceptance histogram {json.dumps(d['acceptance_histogram'])}{verified}{lookup}; round ms "
               + ", ".join(f"{k} {v:.1f}" for k, v in d["round_ms"].items()))
     if parity := report["train_serve_parity"]:
         print(parity_line(parity) + (f"\n  {parity['explanation']}" if parity["explanation"] else ""))

@@ -5,6 +5,8 @@ Methods
   prompt_lookup  transformers generate(prompt_lookup_num_tokens=10), the free baseline
   dflash         the harness loop with the drafter, one chain verified a round (the reference)
   dflash_tree    the same drafter, a tree of its most probable candidates verified a round (greedy only)
+  dflash_lookup  dflash_tree, but a round whose newest `lookup_ngram` tokens occurred before verifies what
+                 followed them (up to prompt_lookup_num_tokens) instead of running the drafter (greedy only)
 Decode time excludes the prefill (the prompt forward that emits the first token) for every
 method; speedup is decode throughput over plain decoding's on the same prompts, which for greedy
 (identical outputs) is plain decode wall time / method decode wall time.
@@ -29,8 +31,9 @@ from flashdraft.target import chat_input_ids, choose_mask_token, target_layer_id
 from harness.prompt_lookup import prompt_lookup_generate
 from harness.speculative import Generation, speculative_generate
 
-METHODS = ("plain", "prompt_lookup", "dflash", "dflash_tree")
-DRAFTER_METHODS = ("dflash", "dflash_tree")
+METHODS = ("plain", "prompt_lookup", "dflash", "dflash_tree", "dflash_lookup")
+DRAFTER_METHODS = ("dflash", "dflash_tree", "dflash_lookup")
+GREEDY_ONLY = ("dflash_tree", "dflash_lookup")
 UNTRAINED_WARNING = (
     "UNTRAINED DRAFTER: no drafter checkpoint was found, so a randomly initialised one was measured. "
     "tau and speedup say nothing about a trained drafter; losslessness still holds."
@@ -56,6 +59,7 @@ class DecodeSettings:
     draft_cutoff: float = 0.0  # dflash: verify the draft prefix of cumulative draft probability >= this (0: all)
     tree_size: int = 7  # dflash_tree: draft candidates verified a round
     tree_branching: int = 4  # dflash_tree: candidate tokens a block position
+    lookup_ngram: int = 3  # dflash_lookup: a round verifies a lookup draft where the newest this-many tokens occurred before
     seed: int = 0
 
 
@@ -133,6 +137,12 @@ def run_method(method, target, prompt: EvalPrompt, settings: DecodeSettings, *, 
             target, prompt.input_ids, proposer=proposer, block_size=settings.block_size, generator=generator,
             tree_size=settings.tree_size, tree_branching=settings.tree_branching, **common,
         )
+    if method == "dflash_lookup":
+        return speculative_generate(
+            target, prompt.input_ids, proposer=proposer, block_size=settings.block_size, generator=generator,
+            tree_size=settings.tree_size, tree_branching=settings.tree_branching, lookup_ngram=settings.lookup_ngram,
+            lookup_tokens=settings.prompt_lookup_num_tokens, **common,
+        )
     raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
 
 
@@ -169,8 +179,9 @@ def evaluate(target, prompts, settings: DecodeSettings, *, methods=METHODS, prop
     drafting = [m for m in methods if m in DRAFTER_METHODS]
     if drafting and proposer is None:
         raise ValueError(f"method {drafting[0]} needs a drafter")
-    if "dflash_tree" in methods and settings.temperature > 0:
-        raise ValueError(f"method dflash_tree is greedy only: drop it from eval.methods or set eval.temperature=0 (got {settings.temperature})")
+    for method in (m for m in GREEDY_ONLY if m in methods):
+        if settings.temperature > 0:
+            raise ValueError(f"method {method} is greedy only: drop it from eval.methods or set eval.temperature=0 (got {settings.temperature})")
     done = done or {}
     if any(method not in done[p.seq_id]["methods"] for p in prompts if p.seq_id in done for method in methods):
         raise ValueError("finished records lack some of the methods asked for; their run_key must cover the methods")
@@ -202,6 +213,7 @@ def evaluate(target, prompts, settings: DecodeSettings, *, methods=METHODS, prop
                     "draft_s": sum(g.draft_s),
                     "verify_s": sum(g.verify_s),
                     "bookkeeping_s": sum(g.bookkeeping_s),
+                    "lookup_rounds": g.lookup_rounds,
                     "stopped": g.stopped,
                 }
                 bar.update()
@@ -242,11 +254,14 @@ def method_summary(records, method, *, greedy: bool, block_size: int | None = No
             summary["mismatched_prompts"] = [f"{r['source']}/{r['record_id']}" for r, ok in zip(records, same) if not ok]
     if method in DRAFTER_METHODS:
         counts = Counter(rounds)
-        summary["acceptance_histogram"] = {str(k): counts.get(k, 0) for k in range(1, (block_size or max(rounds, default=1)) + 1)}
+        longest = max(block_size or 1, max(rounds, default=1))  # a lookup round can commit more than a block
+        summary["acceptance_histogram"] = {str(k): counts.get(k, 0) for k in range(1, longest + 1)}
         n = max(len(rounds), 1)
         verified = [v for run in runs for v in run.get("verified_drafts", [])]
         summary["verified_drafts"] = sum(verified) / len(verified) if verified else None
         summary["round_ms"] = {part: 1000 * sum(run[f"{part}_s"] for run in runs) / n for part in ("draft", "verify", "bookkeeping")}
+        if method == "dflash_lookup":
+            summary["lookup_rounds"] = sum(run.get("lookup_rounds", 0) for run in runs)
     return summary
 
 

@@ -14,17 +14,20 @@ from __future__ import annotations
 import torch
 
 from flashdraft.store import StoreReader
+from harness.lookup import lookup_draft
 from harness.speculative import verified_prefix
 from harness.tree import build_tree, follow
 
 
 @torch.inference_mode()
 def replay_acceptance(proposer, store: StoreReader, seq_id: str, *, max_new_tokens: int, draft_cutoff: float = 0.0,
-                      tree_size: int = 0, tree_branching: int = 4, verified: list | None = None) -> list[int]:
+                      tree_size: int = 0, tree_branching: int = 4, lookup_ngram: int = 0, lookup_tokens: int = 10,
+                      verified: list | None = None, lookups: list | None = None) -> list[int]:
     """Committed tokens per round when the stored response of `seq_id` is served greedily by `proposer`
     (a DrafterProposer) with at most `max_new_tokens` new tokens, as `speculative_generate` counts them
-    (with `tree_size` > 0: a tree of that many candidates verified a round). `verified`, if given, gets the
-    drafts verified each round appended."""
+    (with `tree_size` > 0: a tree of that many candidates verified a round; with `lookup_ngram` > 0, lookup rounds
+    where the newest n-gram occurred before). `verified` and `lookups`, if given, get the drafts verified and
+    whether it was a lookup round appended, a round at a time."""
     seq = store.read(store.index(seq_id), layers=proposer.layer_ids)
     ids = torch.as_tensor(seq.input_ids)
     response = seq.loss_mask.nonzero()[0]
@@ -39,13 +42,21 @@ def replay_acceptance(proposer, store: StoreReader, seq_id: str, *, max_new_toke
     lengths, start, context_from = [], first, 0
     while start + 1 < end:
         size = min(proposer.block_size, limit - start)
-        block = torch.full((1, size), proposer.mask_token_id, dtype=torch.long, device=device)
-        block[0, 0] = ids[start]
-        logits = proposer(block, features[:, context_from:start], start)
-        if draft_cutoff > 0:
-            size = 1 + verified_prefix(logits, draft_cutoff)
+        found = lookup_draft(ids[: start + 1], lookup_ngram, min(lookup_tokens, limit - start - 1)) if lookup_ngram else None
+        if found is None:
+            block = torch.full((1, size), proposer.mask_token_id, dtype=torch.long, device=device)
+            block[0, 0] = ids[start]
+            logits = proposer(block, features[:, context_from:start], start)
+            context_from = start
+            if draft_cutoff > 0:
+                size = 1 + verified_prefix(logits, draft_cutoff)
+        else:
+            size = 1 + len(found)
         truth = ids[start + 1 : min(start + size, end)]
-        if tree_size:
+        if found is not None:
+            wrong = (found[: len(truth)] != truth).nonzero()
+            accepted = int(wrong[0, 0]) if len(wrong) else len(truth)
+        elif tree_size:
             tree = build_tree(logits, tree_size, tree_branching)
             accepted = len(follow(tree, lambda row, depth: truth[depth] if depth < len(truth) else -1))
             size = 1 + tree.size
@@ -57,12 +68,14 @@ def replay_acceptance(proposer, store: StoreReader, seq_id: str, *, max_new_toke
         lengths.append(produced)
         if verified is not None:
             verified.append(size - 1)
-        context_from, start = start, start + produced
+        if lookups is not None:
+            lookups.append(found is not None)
+        start += produced
     return lengths
 
 
 def replay_tau(proposer, store_path, seq_ids, *, max_new_tokens: int, draft_cutoff: float = 0.0, tree_size: int = 0,
-               tree_branching: int = 4) -> dict | None:
+               tree_branching: int = 4, lookup_ngram: int = 0, lookup_tokens: int = 10) -> dict | None:
     """Replay over the eval prompts found in the store: {"tau", "prompts", "missing"}; None when none is there."""
     store = StoreReader(store_path)
     present = set(store.seq_ids)
@@ -70,5 +83,6 @@ def replay_tau(proposer, store_path, seq_ids, *, max_new_tokens: int, draft_cuto
     if not found:
         return None
     rounds = [n for s in found for n in replay_acceptance(proposer, store, s, max_new_tokens=max_new_tokens, draft_cutoff=draft_cutoff,
-                                                          tree_size=tree_size, tree_branching=tree_branching)]  # fmt: skip
+                                                          tree_size=tree_size, tree_branching=tree_branching,
+                                                          lookup_ngram=lookup_ngram, lookup_tokens=lookup_tokens)]  # fmt: skip
     return {"tau": sum(rounds) / len(rounds) if rounds else None, "prompts": len(found), "missing": len(seq_ids) - len(found)}

@@ -13,7 +13,7 @@ TIMING_NOTE = (
     "generate's first forward, which also verifies its first candidates) for every method. tau = tokens "
     "committed per target forward after the prefill. speedup = decode tokens/s over plain decoding's on the "
     "same prompts (with greedy, identical outputs: plain decode wall time / method decode wall time). "
-    "plain, dflash and dflash_tree run the same harness loop (plain = block size 1, no drafter); prompt lookup runs "
+    "plain, dflash, dflash_tree and dflash_lookup run the same harness loop (plain = block size 1, no drafter); prompt lookup runs "
     "transformers generate."
 )
 
@@ -59,11 +59,14 @@ def render_markdown(report: dict) -> str:
     sources = list(next(iter(methods.values()))["by_source"])
     for source in sources:
         out += [f"## {source}", "", methods_table({name: m["by_source"][source] for name, m in methods.items()}), ""]
-    for method in (m for m in ("dflash", "dflash_tree") if m in methods):
+    for method in (m for m in ("dflash", "dflash_tree", "dflash_lookup") if m in methods):
         d = methods[method]
         hist = d["acceptance_histogram"]
         total = max(sum(hist.values()), 1)
         tree = f" (tree of {s['tree_size']} candidates, {s['tree_branching']} a position)" if method == "dflash_tree" else ""
+        if method == "dflash_lookup":
+            tree = (f" (tree of {s['tree_size']} candidates, {s['tree_branching']} a position; lookup rounds where the newest "
+                    f"{s.get('lookup_ngram')} tokens occurred before: {d.get('lookup_rounds', 0)} of {d['rounds']})")
         out += [
             f"## {method} rounds{tree}",
             "",

@@ -9,7 +9,9 @@ K/V it has computed (the newest token's K/V come with the next block). Greedy ac
 plain greedy output token for token; sampling uses speculative rejection sampling, which keeps the
 target's distribution. Block size 1 is plain decoding: no drafter call, one token per forward.
 With `tree_size`, the target verifies a tree of the draft's most probable candidates instead of one
-chain (`harness/tree.py`) and the cache keeps the accepted path (greedy only).
+chain (`harness/tree.py`) and the cache keeps the accepted path (greedy only). With `lookup_ngram`, a round
+whose newest n-gram occurred before verifies what followed it instead of running the drafter
+(`harness/lookup.py`; greedy only); the drafter's next call then gets the features of every token since.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from transformers import DynamicCache
 
 from flashdraft.model import extract_context_feature
 from flashdraft.sampling import check_sampling, sample, sampling_probs
+from harness.lookup import lookup_draft
 from harness.sampling import greedy_accept, rejection_sample
 from harness.tree import build_tree, greedy_path, tree_mask
 
@@ -66,6 +69,7 @@ class Generation:
     draft_s: list[float] = field(default_factory=list)  # per round
     verify_s: list[float] = field(default_factory=list)
     bookkeeping_s: list[float] = field(default_factory=list)
+    lookup_rounds: int = 0  # rounds that verified a lookup draft instead of the drafter's
     stopped: bool = False  # ended on a stop token
 
     @property
@@ -129,6 +133,8 @@ def speculative_generate(
     draft_cutoff: float = 0.0,
     tree_size: int = 0,
     tree_branching: int = 4,
+    lookup_ngram: int = 0,
+    lookup_tokens: int = 10,
 ) -> Generation:
     """Generate up to `max_new_tokens` after `input_ids` (list or [1, n] tensor).
 
@@ -141,7 +147,11 @@ def speculative_generate(
     the output exact; a shorter verify forward is cheaper where its cost grows with its length (CPU).
 
     `tree_size` > 0 verifies a tree of that many draft candidates instead of one chain (`harness.tree`:
-    the most probable paths, `tree_branching` tokens a position); greedy only."""
+    the most probable paths, `tree_branching` tokens a position); greedy only.
+
+    `lookup_ngram` > 0: where the newest `lookup_ngram` tokens occurred earlier in the prompt or output, the
+    round verifies up to `lookup_tokens` tokens that followed them (`harness.lookup.lookup_draft`) and skips
+    the drafter; greedy only. Without a proposer this is prompt lookup decoding in this loop."""
     check_sampling(temperature, top_p, top_k)
     if not 0.0 <= draft_cutoff <= 1.0:
         raise ValueError(f"draft_cutoff must be in [0, 1], got {draft_cutoff}")
@@ -149,6 +159,10 @@ def speculative_generate(
         raise ValueError(f"tree_size must be >= 0 (0: verify one chain), got {tree_size}")
     if tree_size and temperature > 0:
         raise ValueError(f"tree verification is greedy only (temperature 0); got tree_size {tree_size} at temperature {temperature}")
+    if lookup_ngram < 0 or lookup_tokens < 1:
+        raise ValueError(f"lookup_ngram must be >= 0 (0: no lookup rounds) and lookup_tokens >= 1, got {lookup_ngram} and {lookup_tokens}")
+    if lookup_ngram and temperature > 0:
+        raise ValueError(f"lookup rounds are greedy only (temperature 0); got lookup_ngram {lookup_ngram} at temperature {temperature}")
     if tree_size and draft_cutoff > 0:
         raise ValueError("tree_size and draft_cutoff both choose what to verify: set one of them")
     if max_new_tokens < 1:
@@ -200,8 +214,14 @@ def speculative_generate(
         t0 = clock(device)
         size = min(block_size, max_length - start)  # the last block shrinks to end at max_new_tokens
         block = output[:, start : start + size].clone()
-        verify_positions, verify_mask, tree = positions[:, start : start + size], None, None
-        if size > 1:
+        verify_positions, verify_mask, tree, drafted = positions[:, start : start + size], None, None, False
+        found = lookup_draft(output[0, : start + 1], lookup_ngram, min(lookup_tokens, max_length - start - 1)) if lookup_ngram else None
+        if found is not None:
+            block = torch.cat([block[:, :1], found[None]], dim=1)
+            verify_positions = positions[:, start : start + block.shape[1]]
+            result.lookup_rounds += 1
+        elif size > 1:
+            drafted = True
             draft_logits = proposer(block, context, start)
             if tree_size:
                 tree = build_tree(draft_logits, tree_size, tree_branching)
@@ -247,7 +267,8 @@ def speculative_generate(
             produced, stopped = int(hits[0, 0]) + 1, True
         rows = [0, *path][:produced]  # block rows now committed with their K/V: the last token + accepted drafts
         if layer_ids is not None:
-            context = extract_context_feature(out.hidden_states, layer_ids)[:, rows]
+            new = extract_context_feature(out.hidden_states, layer_ids)[:, rows]
+            context = new if drafted else torch.cat([context, new], dim=1)  # a lookup round leaves the drafter's context pending
         _keep_rows(cache, start, rows)
         start += produced
         result.acceptance_lengths.append(produced)

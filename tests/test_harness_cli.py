@@ -57,7 +57,7 @@ def test_quick_eval_writes_reports(target_dir, tmp_path, capsys):
     report = run(compose_config(overrides(target_dir, tmp_path)))
     out = tmp_path / "eval"
     saved = json.loads((out / "report.json").read_text())
-    assert saved["methods"].keys() == {"plain", "prompt_lookup", "dflash", "dflash_tree"}
+    assert saved["methods"].keys() == {"plain", "prompt_lookup", "dflash", "dflash_tree", "dflash_lookup"}
     s = saved["settings"]
     assert s["untrained_drafter"] is True and "UNTRAINED" in saved["warning"]
     assert s["prompt_counts"] == {"humaneval": 2, "mtbench": 2} and s["split"] == "heldout"
@@ -76,9 +76,12 @@ def test_quick_eval_writes_reports(target_dir, tmp_path, capsys):
     t = saved["methods"]["dflash_tree"]
     assert s["tree_size"] == 7 and s["tree_branching"] == 4 and sum(t["acceptance_histogram"].values()) == t["rounds"] > 0
     assert 0 < t["verified_drafts"] <= 7  # a block of 4 offers up to 4 + 16 + 64 candidates: the tree takes 7
+    h = saved["methods"]["dflash_lookup"]
+    assert s["lookup_ngram"] == 3 and 0 <= h["lookup_rounds"] <= h["rounds"] == sum(h["acceptance_histogram"].values())
     assert len((out / "runs.jsonl").read_text().splitlines()) == 4
     md = (out / "report.md").read_text()
     assert "UNTRAINED" in md and "| dflash |" in md and "| dflash_tree |" in md and "## dflash_tree rounds (tree of 7" in md and "prefill" in md
+    assert "## dflash_lookup rounds (tree of 7 candidates, 4 a position; lookup rounds where the newest 3 tokens" in md
     printed = capsys.readouterr().out
     assert "| prompt_lookup |" in printed and "UNTRAINED" in printed
     assert report["methods"]["dflash"]["decode_tokens"] == saved["methods"]["dflash"]["decode_tokens"]
@@ -130,7 +133,7 @@ def test_missing_drafter_is_an_error_unless_allowed(target_dir, tmp_path):
 def test_full_config_composes():
     cfg = compose_config(["eval=full"])
     assert cfg.eval.name == "full" and cfg.eval.limit is None and cfg.eval.allow_untrained is False
-    assert list(cfg.eval.methods) == ["plain", "prompt_lookup", "dflash", "dflash_tree"]
+    assert list(cfg.eval.methods) == ["plain", "prompt_lookup", "dflash", "dflash_tree", "dflash_lookup"]
 
 
 def test_tree_method_with_sampling_is_refused_by_name(target_dir, tmp_path):

@@ -34,20 +34,26 @@ def served_store(tmp_path_factory):
     return target, proposer, path, served
 
 
-@pytest.mark.parametrize("cutoff,tree_size", [(0.0, 0), (1e-4, 0), (0.0, 12)])
-def test_replay_gives_the_served_rounds(served_store, cutoff, tree_size):
+@pytest.mark.parametrize("cutoff,tree_size,lookup", [(0.0, 0, 0), (1e-4, 0, 0), (0.0, 12, 0), (0.0, 0, 2), (0.0, 12, 2)])
+def test_replay_gives_the_served_rounds(served_store, cutoff, tree_size, lookup):
     from flashdraft.store import StoreReader
 
     target, proposer, path, served = served_store
     store = StoreReader(path)
-    multi = 0
+    multi = lookups = 0
     for seq_id, p in served.items():
         for max_new in (40, 17):
-            live = speculative_generate(target, p, max_new_tokens=max_new, proposer=proposer, draft_cutoff=cutoff, tree_size=tree_size)
-            replayed = replay_acceptance(proposer, store, seq_id, max_new_tokens=max_new, draft_cutoff=cutoff, tree_size=tree_size)
+            live = speculative_generate(target, p, max_new_tokens=max_new, proposer=proposer, draft_cutoff=cutoff, tree_size=tree_size,
+                                        lookup_ngram=lookup, lookup_tokens=5)
+            kinds = []
+            replayed = replay_acceptance(proposer, store, seq_id, max_new_tokens=max_new, draft_cutoff=cutoff, tree_size=tree_size,
+                                         lookup_ngram=lookup, lookup_tokens=5, lookups=kinds)
             assert replayed == live.acceptance_lengths, (seq_id, max_new)
+            assert sum(kinds) == live.lookup_rounds
             multi += max(live.acceptance_lengths) > 1
+            lookups += live.lookup_rounds
     assert multi  # the agreeing drafter gets drafts accepted, so the rounds are not all single tokens
+    assert lookups > 0 if lookup else lookups == 0
     summary = replay_tau(proposer, path, [*served, "absent"], max_new_tokens=40, draft_cutoff=cutoff, tree_size=tree_size)
     assert summary["prompts"] == len(served) and summary["missing"] == 1 and summary["tau"] > 1.0
     assert replay_tau(proposer, path, ["absent"], max_new_tokens=40) is None

@@ -10,6 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 from flashdraft.model import DFlashDrafter, make_draft_config
 from flashdraft.target import EXACT_ATTENTION, cpu_has_bf16_tiles, frozen_head_from_model, make_verification_exact, needs_exact_verification
+from harness.lookup import lookup_draft
 from harness.prompt_lookup import prompt_lookup_generate
 from harness.speculative import DrafterProposer, speculative_generate
 from harness.tree import build_tree, follow, greedy_path, tree_mask
@@ -267,6 +268,54 @@ def test_tree_arguments_are_checked(setup):
         speculative_generate(target, prompts[0], max_new_tokens=4, proposer=proposer, tree_size=8, draft_cutoff=0.1)
     with pytest.raises(ValueError, match="tree_size"):
         speculative_generate(target, prompts[0], max_new_tokens=4, proposer=proposer, tree_size=-1)
+
+
+# --- lookup rounds -----------------------------------------------------------------------------
+
+
+def test_lookup_draft_takes_the_earliest_earlier_match():
+    ids = torch.tensor([1, 2, 3, 9, 1, 2, 4, 7, 1, 2])
+    assert lookup_draft(ids, 2, 3).tolist() == [3, 9, 1]  # the earliest [1, 2], not the later one
+    assert lookup_draft(ids, 2, 1).tolist() == [3]
+    assert lookup_draft(ids, 3, 4) is None  # [7, 1, 2] did not occur before
+    assert lookup_draft(torch.tensor([5, 6, 5, 6]), 2, 8).tolist() == [5, 6]  # up to the end
+    assert lookup_draft(torch.tensor([4, 4]), 1, 3).tolist() == [4]
+    assert lookup_draft(torch.tensor([3, 1, 2]), 2, 3) is None  # only the newest n-gram itself
+    assert lookup_draft(torch.tensor([1, 2]), 2, 3) is None and lookup_draft(ids, 0, 3) is None
+
+
+@pytest.mark.parametrize("tree_size", [0, 15])
+def test_lookup_rounds_are_lossless_and_keep_the_drafter_context(setup, tree_size):
+    """Rounds alternate between lookup drafts and the drafter; the drafter's cache must still get every verified
+    token's features (its call checks that the context it is handed starts where its cache ends)."""
+    target, drafter, prompts, plain = setup
+    proposer = DrafterProposer(drafter, frozen_head_from_model(target))
+    lookups = drafted = 0
+    for p, expected in zip(prompts, plain):
+        spec = speculative_generate(target, p, max_new_tokens=32, proposer=proposer, tree_size=tree_size, lookup_ngram=2, lookup_tokens=10)
+        assert spec.tokens == expected
+        lookups += spec.lookup_rounds
+        drafted += len(spec.acceptance_lengths) - spec.lookup_rounds
+    assert lookups > 0 and drafted > 0
+
+
+def test_lookup_rounds_commit_long_copies_and_skip_the_drafter():
+    """A target that repeats itself: lookup rounds accept many tokens without calling the drafter; where no
+    n-gram repeats, the (useless) drafter runs. Without a proposer the loop is prompt lookup decoding."""
+    target = tiny_target("llama", seed=5)
+    p = torch.tensor([[5, 6, 7, 8, 9] * 3])
+    plain = speculative_generate(target, p, max_new_tokens=40).tokens
+    oracle = OracleProposer(plain, p.shape[1], 8, wrong=range(60))
+    spec = speculative_generate(target, p, max_new_tokens=40, proposer=oracle, lookup_ngram=3, lookup_tokens=10)
+    assert spec.tokens == plain
+    assert len(oracle.blocks) == len(spec.acceptance_lengths) - spec.lookup_rounds and spec.lookup_rounds > 0
+    assert max(spec.acceptance_lengths) > 2 and spec.tau > 2
+    alone = speculative_generate(target, p, max_new_tokens=40, lookup_ngram=2, lookup_tokens=10)
+    assert alone.tokens == plain and alone.tau > 2 and max(alone.verified_drafts) <= 10
+    with pytest.raises(ValueError, match="greedy only"):
+        speculative_generate(target, p, max_new_tokens=4, lookup_ngram=3, temperature=0.7)
+    with pytest.raises(ValueError, match="lookup_ngram"):
+        speculative_generate(target, p, max_new_tokens=4, lookup_ngram=-1)
 
 
 def test_tau_reaches_block_size_with_perfect_drafts():
