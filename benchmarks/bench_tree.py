@@ -55,16 +55,16 @@ def main() -> None:
     store = StoreReader(args.store)
     seq_ids = store.seq_ids[:: max(1, len(store.seq_ids) // args.sequences)][: args.sequences]
     trees = [tuple(int(x) for x in t.split("x")) for t in args.trees]
-    settings = [("chain", c, 0, 0) for c in args.cutoffs] + [("tree", 0.0, n, b) for n, b in trees]
-    lookup_settings = [("lookup", ngram, *trees[0]) for ngram in args.lookups]
+    # (kind, cutoff, tree size, branching, lookup n-gram)
+    settings = [("chain", c, 0, 0, 0) for c in args.cutoffs] + [("tree", 0.0, n, b, 0) for n, b in trees]
+    lookup_settings = [("lookup", 0.0, *trees[0], ngram) for ngram in args.lookups]
 
     taus, rows_verified, lookup_share = {}, {}, {}
     for setting in settings + lookup_settings:
-        kind, cutoff, size, branching = setting
+        kind, cutoff, size, branching, ngram = setting
         lengths, verified, lookups = [], [], []
-        ngram = cutoff if kind == "lookup" else 0
         for s in seq_ids:
-            lengths += replay_acceptance(proposer, store, s, max_new_tokens=args.max_new_tokens, draft_cutoff=0.0 if ngram else cutoff,
+            lengths += replay_acceptance(proposer, store, s, max_new_tokens=args.max_new_tokens, draft_cutoff=cutoff,
                                          tree_size=size, tree_branching=branching, lookup_ngram=ngram,
                                          lookup_tokens=args.lookup_tokens, verified=verified, lookups=lookups)  # fmt: skip
         taus[setting] = sum(lengths) / len(lengths)
@@ -97,9 +97,7 @@ def main() -> None:
         def verify(setting, rows):
             cache = DynamicCache(config=target.config)
             target(ids[:, :start], cache=cache, use_cache=True, logits_to_keep=1)
-            kind, _, size, branching = setting
-            if kind == "lookup":
-                kind, size = "chain", 0
+            kind, _, size, branching, _ = setting
             if kind == "tree":
                 tree = build_tree(logits, size, branching)
                 tokens = torch.cat([block[:, :1], tree.tokens[None]], dim=1)
@@ -110,10 +108,9 @@ def main() -> None:
             target(tokens, cache=cache, use_cache=True, output_hidden_states=True, **kw)
             return time.perf_counter() - t0
 
-        shapes += [(s, rows_verified[s]) for s in lookup_settings]
         times = {"plain": [], "draft": [], **{s: [] for s, _ in shapes}}
         for repeat in range(args.repeats + 1):  # the first pass warms up and is dropped
-            times["plain"].append(verify(("chain", 0, 0, 0), 1))
+            times["plain"].append(verify(("chain", 0, 0, 0, 0), 1))
             times["draft"].append(draft(timed=True))
             for setting, rows in shapes:
                 times[setting].append(verify(setting, rows))
@@ -124,14 +121,14 @@ def main() -> None:
     print(f"plain step {ms['plain']:.1f} ms, draft {ms['draft']:.1f} ms")
     print("setting            replay tau  rows  verify ms  round/plain step  predicted speedup")
     for setting in settings:
-        kind, cutoff, size, branching = setting
+        kind, cutoff, size, branching, _ = setting
         name = f"chain cutoff {cutoff:g}" if kind == "chain" else f"tree {size}x{branching}"
         round_ms = ms["draft"] + ms[setting]
         print(f"{name:18s} {taus[setting]:10.3f}  {rows_verified[setting]:4d}  {ms[setting]:9.1f}  {round_ms / ms['plain']:16.2f}  "
               f"{taus[setting] * ms['plain'] / round_ms:16.2f}x")
-    for setting in lookup_settings:
-        _, ngram, size, branching = setting
-        share, tree = lookup_share[setting], ("tree", 0.0, size, branching)
+    for setting in lookup_settings:  # timed as a chain of its lookup rounds' rows; its other rounds are the tree's
+        _, _, size, branching, ngram = setting
+        share, tree = lookup_share[setting], ("tree", 0.0, size, branching, 0)
         round_ms = share * ms[setting] + (1 - share) * (ms["draft"] + ms[tree])
         name = f"lookup {ngram} + tree {size}x{branching}"
         print(f"{name:18s} {taus[setting]:10.3f}  {rows_verified[setting]:4d}  {ms[setting]:9.1f}  {round_ms / ms['plain']:16.2f}  "

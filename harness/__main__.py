@@ -143,6 +143,7 @@ def run(cfg: DictConfig) -> dict:
         target, prompts, settings, methods=methods, proposer=proposer, stop_token_ids=stop_token_ids(target, tokenizer),
         log_path=log_path, warmup=e.warmup, done=done, run_key=key,
     )
+    trees = bool({"dflash_tree", "dflash_lookup"} & set(methods))  # the methods that verify trees
     counts = {}
     for p in prompts:
         counts[p.source] = counts.get(p.source, 0) + 1
@@ -164,8 +165,8 @@ def run(cfg: DictConfig) -> dict:
             "block_size": block_size,
             "prompt_lookup_num_tokens": e.prompt_lookup_num_tokens,
             "draft_cutoff": settings.draft_cutoff,
-            "tree_size": settings.tree_size if {"dflash_tree", "dflash_lookup"} & set(methods) else None,
-            "tree_branching": settings.tree_branching if {"dflash_tree", "dflash_lookup"} & set(methods) else None,
+            "tree_size": settings.tree_size if trees else None,
+            "tree_branching": settings.tree_branching if trees else None,
             "lookup_ngram": settings.lookup_ngram if "dflash_lookup" in methods else None,
             "methods": methods,
             "seed": e.seed,

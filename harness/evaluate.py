@@ -179,9 +179,9 @@ def evaluate(target, prompts, settings: DecodeSettings, *, methods=METHODS, prop
     drafting = [m for m in methods if m in DRAFTER_METHODS]
     if drafting and proposer is None:
         raise ValueError(f"method {drafting[0]} needs a drafter")
-    for method in (m for m in GREEDY_ONLY if m in methods):
-        if settings.temperature > 0:
-            raise ValueError(f"method {method} is greedy only: drop it from eval.methods or set eval.temperature=0 (got {settings.temperature})")
+    greedy_only = [m for m in GREEDY_ONLY if m in methods]
+    if greedy_only and settings.temperature > 0:
+        raise ValueError(f"method {greedy_only[0]} is greedy only: drop it from eval.methods or set eval.temperature=0 (got {settings.temperature})")
     done = done or {}
     if any(method not in done[p.seq_id]["methods"] for p in prompts if p.seq_id in done for method in methods):
         raise ValueError("finished records lack some of the methods asked for; their run_key must cover the methods")

@@ -41,9 +41,9 @@ def replay_acceptance(proposer, store: StoreReader, seq_id: str, *, max_new_toke
     proposer.start()
     lengths, start, context_from = [], first, 0
     while start + 1 < end:
-        size = min(proposer.block_size, limit - start)
         found = lookup_draft(ids[: start + 1], lookup_ngram, min(lookup_tokens, limit - start - 1)) if lookup_ngram else None
         if found is None:
+            size = min(proposer.block_size, limit - start)
             block = torch.full((1, size), proposer.mask_token_id, dtype=torch.long, device=device)
             block[0, 0] = ids[start]
             logits = proposer(block, features[:, context_from:start], start)
@@ -53,15 +53,12 @@ def replay_acceptance(proposer, store: StoreReader, seq_id: str, *, max_new_toke
         else:
             size = 1 + len(found)
         truth = ids[start + 1 : min(start + size, end)]
-        if found is not None:
-            wrong = (found[: len(truth)] != truth).nonzero()
-            accepted = int(wrong[0, 0]) if len(wrong) else len(truth)
-        elif tree_size:
+        if found is None and tree_size:
             tree = build_tree(logits, tree_size, tree_branching)
             accepted = len(follow(tree, lambda row, depth: truth[depth] if depth < len(truth) else -1))
             size = 1 + tree.size
-        else:
-            drafts = logits.argmax(dim=-1)[: len(truth)].cpu()
+        else:  # a chain: the lookup draft or the drafter's top tokens
+            drafts = (found if found is not None else logits.argmax(dim=-1).cpu())[: len(truth)]
             wrong = (drafts != truth).nonzero()
             accepted = int(wrong[0, 0]) if len(wrong) else len(truth)
         produced = min(accepted + 1, end - start - 1)

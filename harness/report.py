@@ -63,10 +63,10 @@ def render_markdown(report: dict) -> str:
         d = methods[method]
         hist = d["acceptance_histogram"]
         total = max(sum(hist.values()), 1)
-        tree = f" (tree of {s['tree_size']} candidates, {s['tree_branching']} a position)" if method == "dflash_tree" else ""
+        parts = [f"tree of {s['tree_size']} candidates, {s['tree_branching']} a position"] if method != "dflash" else []
         if method == "dflash_lookup":
-            tree = (f" (tree of {s['tree_size']} candidates, {s['tree_branching']} a position; lookup rounds where the newest "
-                    f"{s.get('lookup_ngram')} tokens occurred before: {d.get('lookup_rounds', 0)} of {d['rounds']})")
+            parts.append(f"lookup rounds where the newest {s.get('lookup_ngram')} tokens occurred before: {d.get('lookup_rounds', 0)} of {d['rounds']}")
+        tree = f" ({'; '.join(parts)})" if parts else ""
         out += [
             f"## {method} rounds{tree}",
             "",
