@@ -2,11 +2,13 @@
 
     .venv/bin/python benchmarks/bench_tree.py --drafter runs/full-smollm2-135m/drafter
         --store runs/full-smollm2-135m/features [--sequences 60] [--max-new-tokens 256]
-        [--trees 3x2 7x2 7x4 11x4 15x4 15x8] [--cutoffs 0 0.1] [--lookups 2 3]
+        [--trees 3x2 7x2 7x4 11x4 15x4 15x8] [--cutoffs 0 0.1] [--lookups 2 3] [--datastores 4:2 6:2]
 
 Part 1 replays the served greedy rounds offline (`harness/replay.py`) on `--sequences` stored responses
 of `--store`, for a chain (each cutoff), for each tree (size x branching) and for `dflash_lookup` with the
-first tree and each `--lookups` n-gram size (lookup rounds of up to `--lookup-tokens`): tau without the target.
+first tree and each `--lookups` n-gram size (lookup rounds of up to `--lookup-tokens`), and for `dflash_datastore`
+with the first tree, the last lookup size and each `--datastores` n-gram:min_count (a `harness.datastore.Datastore`
+built from `--datastore-store`, default `--store`, with the replayed sequences left out): tau without the target.
 Part 2 times, on the embedded SmolLM2 target in the harness's dtype with exact verification and a cache
 of ~300 tokens, one plain decode step, one draft (its cache holding all but the 2 newest context tokens,
 as in a served round), and one verify forward of each shape (a chain of as many drafts as the replay
@@ -28,6 +30,7 @@ from transformers import DynamicCache
 from flashdraft.model import DFlashDrafter
 from flashdraft.store import StoreReader
 from flashdraft.target import frozen_head_from_model, load_target, make_verification_exact, needs_exact_verification, resolve_dtype
+from harness.datastore import Datastore
 from harness.replay import replay_acceptance
 from harness.speculative import DrafterProposer
 from harness.tree import build_tree, tree_mask
@@ -43,6 +46,8 @@ def main() -> None:
     ap.add_argument("--cutoffs", type=float, nargs="+", default=[0.0, 0.1])
     ap.add_argument("--lookups", type=int, nargs="*", default=[2, 3], help="dflash_lookup n-gram sizes (with the first tree)")
     ap.add_argument("--lookup-tokens", type=int, default=10)
+    ap.add_argument("--datastores", nargs="*", default=[], help="dflash_datastore settings, n-gram:min_count or n-gram-min_ngram:min_count (with the first tree and last lookup)")
+    ap.add_argument("--datastore-store", default=None, help="the store the datastore is built from (default: --store)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--repeats", type=int, default=15)
     args = ap.parse_args()
@@ -55,18 +60,28 @@ def main() -> None:
     store = StoreReader(args.store)
     seq_ids = store.seq_ids[:: max(1, len(store.seq_ids) // args.sequences)][: args.sequences]
     trees = [tuple(int(x) for x in t.split("x")) for t in args.trees]
-    # (kind, cutoff, tree size, branching, lookup n-gram)
-    settings = [("chain", c, 0, 0, 0) for c in args.cutoffs] + [("tree", 0.0, n, b, 0) for n, b in trees]
-    lookup_settings = [("lookup", 0.0, *trees[0], ngram) for ngram in args.lookups]
+    # (kind, cutoff, tree size, branching, lookup n-gram, datastore "n-gram:min_count" or "")
+    settings = [("chain", c, 0, 0, 0, "") for c in args.cutoffs] + [("tree", 0.0, n, b, 0, "") for n, b in trees]
+    lookup_settings = [("lookup", 0.0, *trees[0], ngram, "") for ngram in args.lookups]
+    lookup_settings += [("lookup", 0.0, *trees[0], args.lookups[-1] if args.lookups else 0, d) for d in args.datastores]
+    datastores = {}
+    for d in args.datastores:
+        orders, min_count = d.split(":")  # "4:1", or "4-3:2" for 4-grams backing off to 3-grams
+        ngram, min_ngram = (int(x) for x in (orders.split("-") * 2)[:2])
+        datastores[d] = Datastore.from_store(args.datastore_store or args.store, exclude=seq_ids, ngram=ngram, min_ngram=min_ngram,
+                                             min_count=int(min_count))  # fmt: skip
+        print(f"datastore {d}: {len(datastores[d])} n-grams from {datastores[d].sequences} responses "
+              f"({datastores[d].excluded} replayed ones left out)", flush=True)
 
     taus, rows_verified, lookup_share = {}, {}, {}
     for setting in settings + lookup_settings:
-        kind, cutoff, size, branching, ngram = setting
+        kind, cutoff, size, branching, ngram, datastore = setting
         lengths, verified, lookups = [], [], []
         for s in seq_ids:
             lengths += replay_acceptance(proposer, store, s, max_new_tokens=args.max_new_tokens, draft_cutoff=cutoff,
                                          tree_size=size, tree_branching=branching, lookup_ngram=ngram,
-                                         lookup_tokens=args.lookup_tokens, verified=verified, lookups=lookups)  # fmt: skip
+                                         lookup_tokens=args.lookup_tokens, datastore=datastores.get(datastore),
+                                         verified=verified, lookups=lookups)  # fmt: skip
         taus[setting] = sum(lengths) / len(lengths)
         if kind == "lookup":
             looked = [v for v, k in zip(verified, lookups) if k]
@@ -97,7 +112,7 @@ def main() -> None:
         def verify(setting, rows):
             cache = DynamicCache(config=target.config)
             target(ids[:, :start], cache=cache, use_cache=True, logits_to_keep=1)
-            kind, _, size, branching, _ = setting
+            kind, _, size, branching, _, _ = setting
             if kind == "tree":
                 tree = build_tree(logits, size, branching)
                 tokens = torch.cat([block[:, :1], tree.tokens[None]], dim=1)
@@ -110,7 +125,7 @@ def main() -> None:
 
         times = {"plain": [], "draft": [], **{s: [] for s, _ in shapes}}
         for repeat in range(args.repeats + 1):  # the first pass warms up and is dropped
-            times["plain"].append(verify(("chain", 0, 0, 0, 0), 1))
+            times["plain"].append(verify(("chain", 0, 0, 0, 0, ""), 1))
             times["draft"].append(draft(timed=True))
             for setting, rows in shapes:
                 times[setting].append(verify(setting, rows))
@@ -119,19 +134,19 @@ def main() -> None:
           f"(block {drafter.block_size}), replay on {len(seq_ids)} responses of {args.store} (<= {args.max_new_tokens} tokens), "
           f"cache {start} tokens, {torch.get_num_threads()} threads, medians of {args.repeats}")
     print(f"plain step {ms['plain']:.1f} ms, draft {ms['draft']:.1f} ms")
-    print("setting            replay tau  rows  verify ms  round/plain step  predicted speedup")
+    print("setting                          replay tau  rows  verify ms  round/plain step  predicted speedup")
     for setting in settings:
-        kind, cutoff, size, branching, _ = setting
+        kind, cutoff, size, branching, _, _ = setting
         name = f"chain cutoff {cutoff:g}" if kind == "chain" else f"tree {size}x{branching}"
         round_ms = ms["draft"] + ms[setting]
-        print(f"{name:18s} {taus[setting]:10.3f}  {rows_verified[setting]:4d}  {ms[setting]:9.1f}  {round_ms / ms['plain']:16.2f}  "
+        print(f"{name:32s} {taus[setting]:10.3f}  {rows_verified[setting]:4d}  {ms[setting]:9.1f}  {round_ms / ms['plain']:16.2f}  "
               f"{taus[setting] * ms['plain'] / round_ms:16.2f}x")
     for setting in lookup_settings:  # timed as a chain of its lookup rounds' rows; its other rounds are the tree's
-        _, _, size, branching, ngram = setting
-        share, tree = lookup_share[setting], ("tree", 0.0, size, branching, 0)
+        _, _, size, branching, ngram, datastore = setting
+        share, tree = lookup_share[setting], ("tree", 0.0, size, branching, 0, "")
         round_ms = share * ms[setting] + (1 - share) * (ms["draft"] + ms[tree])
-        name = f"lookup {ngram} + tree {size}x{branching}"
-        print(f"{name:18s} {taus[setting]:10.3f}  {rows_verified[setting]:4d}  {ms[setting]:9.1f}  {round_ms / ms['plain']:16.2f}  "
+        name = f"lookup {ngram}{' + datastore ' + datastore if datastore else ''} + tree {size}x{branching}"
+        print(f"{name:32s} {taus[setting]:10.3f}  {rows_verified[setting]:4d}  {ms[setting]:9.1f}  {round_ms / ms['plain']:16.2f}  "
               f"{taus[setting] * ms['plain'] / round_ms:16.2f}x  ({100 * share:.0f}% lookup rounds; rows and verify ms: theirs)")
 
 

@@ -624,6 +624,17 @@ class StoreReader:
         for shard in self._shards:
             yield shard.offsets, np.asarray(self._array(shard, "loss_mask")[:], dtype=np.bool_)
 
+    def token_sequences(self, skip=()):
+        """(input_ids, loss_mask) of every sequence whose id is not in `skip`, a shard read at a time, no features."""
+        skip, i = set(skip), 0
+        for shard in self._shards:
+            ids = np.asarray(self._array(shard, "input_ids")[:], dtype=np.int64)
+            mask = np.asarray(self._array(shard, "loss_mask")[:], dtype=np.bool_)
+            for a, b in zip(shard.offsets[:-1], shard.offsets[1:]):
+                if self.seq_ids[i] not in skip:
+                    yield ids[a:b], mask[a:b]
+                i += 1
+
     def __iter__(self):
         return (self.read(i) for i in range(len(self)))
 

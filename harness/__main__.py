@@ -5,6 +5,7 @@
     python -m harness eval.limit=2 eval.temperature=0.7 eval.methods=[plain,dflash]
     python -m harness eval.methods=[plain,dflash,dflash_tree] eval.tree_size=15   # tree verification (greedy)
     python -m harness eval.methods=[plain,prompt_lookup,dflash_lookup] eval.lookup_ngram=2   # DFlash + lookup rounds
+    python -m harness eval.methods=[plain,dflash_datastore] eval.datastore=runs/x/features   # + the training responses
 Writes report.json, report.md and runs.jsonl (one line per prompt, as it goes) into eval.out_dir, with
 acceptance.png and training.png (from eval.metrics, the trainer's metrics.jsonl) next to report.md.
 """
@@ -30,8 +31,10 @@ from flashdraft.target import (
     stop_token_ids,
     target_fingerprint,
 )
+from harness.datastore import Datastore
 from harness.evaluate import (
     DRAFTER_METHODS,
+    LOOKUP_METHODS,
     UNTRAINED_WARNING,
     DecodeSettings,
     build_prompts,
@@ -83,13 +86,14 @@ def add_pictures_and_parity(report: dict, records: list[dict], out_dir: Path, me
     report["pictures"], report["train_serve_parity"] = pictures, parity
 
 
-def run_key(settings: DecodeSettings, methods, drafter_name, drafter_dir, fingerprint: dict, dtype, device) -> str:
+def run_key(settings: DecodeSettings, methods, drafter_name, drafter_dir, fingerprint: dict, dtype, device, datastore=None) -> str:
     """What a finished prompt's measurement depends on: an interrupted eval resumes only under the same key."""
     weights = Path(drafter_dir, "model.safetensors") if drafter_dir else None
     identity = {
         "settings": asdict(settings), "methods": list(methods), "drafter": drafter_name,
         "drafter_weights": [weights.stat().st_size, weights.stat().st_mtime_ns] if weights and weights.is_file() else None,
         "target": fingerprint, "dtype": str(dtype), "device": str(device), "threads": torch.get_num_threads(),
+        "datastore": datastore,
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -120,17 +124,29 @@ def run(cfg: DictConfig) -> dict:
         max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p, top_k=e.top_k,
         block_size=block_size, prompt_lookup_num_tokens=e.prompt_lookup_num_tokens,
         draft_cutoff=float(e.get("draft_cutoff") or 0.0), tree_size=int(e.get("tree_size") or 7),
-        tree_branching=int(e.get("tree_branching") or 4), lookup_ngram=int(e.get("lookup_ngram", 3)), seed=e.seed,
+        tree_branching=int(e.get("tree_branching") or 4), lookup_ngram=int(e.get("lookup_ngram", 3)),
+        datastore_ngram=int(e.get("datastore_ngram") or 4), datastore_min_ngram=int(e.get("datastore_min_ngram") or 2),
+        datastore_min_count=int(e.get("datastore_min_count") or 2), seed=e.seed,
     )
     prompts = build_prompts(
         tokenizer, OmegaConf.to_object(e.prompts) if OmegaConf.is_config(e.prompts) else e.prompts,
         split=e.split, limit=e.limit, system_prompt=m.chat.system_prompt, enable_thinking=m.chat.enable_thinking,
     )
+    datastore, datastore_info = None, None
+    if "dflash_datastore" in methods and e.temperature == 0:  # (greedy only: evaluate refuses it by name otherwise)
+        datastore = Datastore.from_store(e.get("datastore"), exclude=[p.seq_id for p in prompts],  # never their own responses
+                                         ngram=settings.datastore_ngram, min_ngram=settings.datastore_min_ngram,
+                                         min_count=settings.datastore_min_count)  # fmt: skip
+        datastore_info = {"store": str(e.datastore), "sequences": datastore.sequences, "tokens": datastore.tokens,
+                          "ngrams": len(datastore), "excluded_eval_sequences": datastore.excluded}  # fmt: skip
+        print(f"datastore: {len(datastore):,} {settings.datastore_min_ngram}- to {settings.datastore_ngram}-grams with a continuation from {datastore.sequences:,} "
+              f"responses ({datastore.tokens:,} tokens) of {e.datastore}; {datastore.excluded} eval prompts' sequences left out")
     out_dir = Path(e.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     log_path = out_dir / "runs.jsonl"
     fingerprint = target_fingerprint(m.target)
-    key = run_key(settings, methods, drafter_path, e.drafter if proposer and not untrained else None, fingerprint, dtype, device)
+    key = run_key(settings, methods, drafter_path, e.drafter if proposer and not untrained else None, fingerprint, dtype, device,
+                  datastore_info)
     done = {}
     if e.get("resume", True):
         done = finished_records(log_path, key, [p.seq_id for p in prompts])
@@ -140,10 +156,11 @@ def run(cfg: DictConfig) -> dict:
     else:
         log_path.unlink(missing_ok=True)
     records = evaluate(
-        target, prompts, settings, methods=methods, proposer=proposer, stop_token_ids=stop_token_ids(target, tokenizer),
+        target, prompts, settings, methods=methods, proposer=proposer, datastore=datastore,
+        stop_token_ids=stop_token_ids(target, tokenizer),
         log_path=log_path, warmup=e.warmup, done=done, run_key=key,
     )
-    trees = bool({"dflash_tree", "dflash_lookup"} & set(methods))  # the methods that verify trees
+    trees = bool({"dflash_tree", *LOOKUP_METHODS} & set(methods))  # the methods that verify trees
     counts = {}
     for p in prompts:
         counts[p.source] = counts.get(p.source, 0) + 1
@@ -167,7 +184,11 @@ def run(cfg: DictConfig) -> dict:
             "draft_cutoff": settings.draft_cutoff,
             "tree_size": settings.tree_size if trees else None,
             "tree_branching": settings.tree_branching if trees else None,
-            "lookup_ngram": settings.lookup_ngram if "dflash_lookup" in methods else None,
+            "lookup_ngram": settings.lookup_ngram if set(LOOKUP_METHODS) & set(methods) else None,
+            "datastore_ngram": settings.datastore_ngram if datastore else None,
+            "datastore_min_ngram": settings.datastore_min_ngram if datastore else None,
+            "datastore_min_count": settings.datastore_min_count if datastore else None,
+            "datastore": datastore_info,
             "methods": methods,
             "seed": e.seed,
             "resumed_prompts": len(done),
@@ -205,6 +226,7 @@ def run(cfg: DictConfig) -> dict:
         d = report["methods"][method]
         verified = "" if d.get("verified_drafts") is None else f"; drafts verified per round {d['verified_drafts']:.2f}"
         lookup = f"; lookup rounds {d['lookup_rounds']} of {d['rounds']}" if "lookup_rounds" in d else ""
+        lookup += f" ({d['datastore_rounds']} from the datastore)" if "datastore_rounds" in d else ""
         print(f"{method} acceptance histogram {json.dumps(d['acceptance_histogram'])}{verified}{lookup}; round ms "
               + ", ".join(f"{k} {v:.1f}" for k, v in d["round_ms"].items()))
     if parity := report["train_serve_parity"]:

@@ -7,6 +7,9 @@ Methods
   dflash_tree    the same drafter, a tree of its most probable candidates verified a round (greedy only)
   dflash_lookup  dflash_tree, but a round whose newest `lookup_ngram` tokens occurred before verifies what
                  followed them (up to prompt_lookup_num_tokens) instead of running the drafter (greedy only)
+  dflash_datastore  dflash_lookup, and a round without such a match verifies the continuation of its newest
+                 `datastore_ngram` (down to `datastore_min_ngram`) tokens in the target's responses to the training prompts (harness/datastore.py),
+                 where there is a confident one, before it runs the drafter (greedy only)
 Decode time excludes the prefill (the prompt forward that emits the first token) for every
 method; speedup is decode throughput over plain decoding's on the same prompts, which for greedy
 (identical outputs) is plain decode wall time / method decode wall time.
@@ -31,9 +34,10 @@ from flashdraft.target import chat_input_ids, choose_mask_token, target_layer_id
 from harness.prompt_lookup import prompt_lookup_generate
 from harness.speculative import Generation, speculative_generate
 
-METHODS = ("plain", "prompt_lookup", "dflash", "dflash_tree", "dflash_lookup")
-DRAFTER_METHODS = ("dflash", "dflash_tree", "dflash_lookup")
-GREEDY_ONLY = ("dflash_tree", "dflash_lookup")
+METHODS = ("plain", "prompt_lookup", "dflash", "dflash_tree", "dflash_lookup", "dflash_datastore")
+DRAFTER_METHODS = ("dflash", "dflash_tree", "dflash_lookup", "dflash_datastore")
+GREEDY_ONLY = ("dflash_tree", "dflash_lookup", "dflash_datastore")
+LOOKUP_METHODS = ("dflash_lookup", "dflash_datastore")
 UNTRAINED_WARNING = (
     "UNTRAINED DRAFTER: no drafter checkpoint was found, so a randomly initialised one was measured. "
     "tau and speedup say nothing about a trained drafter; losslessness still holds."
@@ -60,6 +64,9 @@ class DecodeSettings:
     tree_size: int = 7  # dflash_tree: draft candidates verified a round
     tree_branching: int = 4  # dflash_tree: candidate tokens a block position
     lookup_ngram: int = 3  # dflash_lookup: a round verifies a lookup draft where the newest this-many tokens occurred before
+    datastore_ngram: int = 4  # dflash_datastore: the datastore continues the newest this-many tokens
+    datastore_min_ngram: int = 2  # dflash_datastore: ... or, backing off, as few as this many
+    datastore_min_count: int = 2  # dflash_datastore: ... with a token that followed them at least this often
     seed: int = 0
 
 
@@ -116,7 +123,7 @@ def check_drafter_fits(drafter, target, path) -> None:
         raise ValueError(f"drafter {path} does not fit the target: " + "; ".join(problems))
 
 
-def run_method(method, target, prompt: EvalPrompt, settings: DecodeSettings, *, proposer=None, stop_token_ids=(), seed=0) -> Generation:
+def run_method(method, target, prompt: EvalPrompt, settings: DecodeSettings, *, proposer=None, datastore=None, stop_token_ids=(), seed=0) -> Generation:
     common = dict(
         max_new_tokens=settings.max_new_tokens, stop_token_ids=stop_token_ids,
         temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
@@ -137,11 +144,14 @@ def run_method(method, target, prompt: EvalPrompt, settings: DecodeSettings, *, 
             target, prompt.input_ids, proposer=proposer, block_size=settings.block_size, generator=generator,
             tree_size=settings.tree_size, tree_branching=settings.tree_branching, **common,
         )
-    if method == "dflash_lookup":
+    if method in LOOKUP_METHODS:
+        if method == "dflash_datastore" and datastore is None:
+            raise ValueError("method dflash_datastore needs a datastore (eval.datastore: the training feature store)")
         return speculative_generate(
             target, prompt.input_ids, proposer=proposer, block_size=settings.block_size, generator=generator,
             tree_size=settings.tree_size, tree_branching=settings.tree_branching, lookup_ngram=settings.lookup_ngram,
-            lookup_tokens=settings.prompt_lookup_num_tokens, **common,
+            lookup_tokens=settings.prompt_lookup_num_tokens, datastore=datastore if method == "dflash_datastore" else None,
+            **common,
         )
     raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
 
@@ -168,7 +178,7 @@ def finished_records(log_path, run_key: str, seq_ids) -> dict[str, dict]:
     return done
 
 
-def evaluate(target, prompts, settings: DecodeSettings, *, methods=METHODS, proposer=None, stop_token_ids=(),
+def evaluate(target, prompts, settings: DecodeSettings, *, methods=METHODS, proposer=None, datastore=None, stop_token_ids=(),
              log_path=None, warmup=True, progress=True, done: dict[str, dict] | None = None, run_key=None) -> list[dict]:
     """Run every method on every prompt (methods interleaved per prompt, so load drifts hit all alike).
     One line per prompt is appended to `log_path` as it finishes (tagged with `run_key`); prompts in `done`
@@ -188,7 +198,7 @@ def evaluate(target, prompts, settings: DecodeSettings, *, methods=METHODS, prop
     if warmup and any(p.seq_id not in done for p in prompts):  # first calls pay one-off costs (allocator, kernels); keep them out of the timing
         short = DecodeSettings(**{**asdict(settings), "max_new_tokens": min(8, settings.max_new_tokens)})
         for method in methods:
-            run_method(method, target, prompts[0], short, proposer=proposer, stop_token_ids=stop_token_ids)
+            run_method(method, target, prompts[0], short, proposer=proposer, datastore=datastore, stop_token_ids=stop_token_ids)
     records = []
     bar = tqdm(total=len(prompts) * len(methods), desc="eval", unit="gen", disable=not progress)
     log = open(log_path, "a") if log_path else None
@@ -203,7 +213,8 @@ def evaluate(target, prompts, settings: DecodeSettings, *, methods=METHODS, prop
                 record["run_key"] = run_key
             for method in methods:
                 bar.set_postfix_str(f"{prompt.source}/{prompt.record_id} {method}")
-                g = run_method(method, target, prompt, settings, proposer=proposer, stop_token_ids=stop_token_ids, seed=settings.seed + i)
+                g = run_method(method, target, prompt, settings, proposer=proposer, datastore=datastore,
+                               stop_token_ids=stop_token_ids, seed=settings.seed + i)
                 record["methods"][method] = {
                     "tokens": g.tokens,
                     "prefill_s": g.prefill_s,
@@ -214,6 +225,7 @@ def evaluate(target, prompts, settings: DecodeSettings, *, methods=METHODS, prop
                     "verify_s": sum(g.verify_s),
                     "bookkeeping_s": sum(g.bookkeeping_s),
                     "lookup_rounds": g.lookup_rounds,
+                    "datastore_rounds": g.datastore_rounds,
                     "stopped": g.stopped,
                 }
                 bar.update()
@@ -260,8 +272,10 @@ def method_summary(records, method, *, greedy: bool, block_size: int | None = No
         verified = [v for run in runs for v in run.get("verified_drafts", [])]
         summary["verified_drafts"] = sum(verified) / len(verified) if verified else None
         summary["round_ms"] = {part: 1000 * sum(run[f"{part}_s"] for run in runs) / n for part in ("draft", "verify", "bookkeeping")}
-        if method == "dflash_lookup":
+        if method in LOOKUP_METHODS:
             summary["lookup_rounds"] = sum(run.get("lookup_rounds", 0) for run in runs)
+        if method == "dflash_datastore":
+            summary["datastore_rounds"] = sum(run.get("datastore_rounds", 0) for run in runs)
     return summary
 
 

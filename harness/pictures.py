@@ -11,11 +11,11 @@ from matplotlib import ticker
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-METHOD_COLOURS = {"dflash": "#1f4e9c", "dflash_tree": "#5f3dc4", "dflash_lookup": "#2b8a3e", "prompt_lookup": "#9ec3ea"}  # prompt lookup lighter: the comparison
+METHOD_COLOURS = {"dflash": "#1f4e9c", "dflash_tree": "#5f3dc4", "dflash_lookup": "#2b8a3e", "dflash_datastore": "#e67700", "prompt_lookup": "#9ec3ea"}  # prompt lookup lighter: the comparison
 TRAIN_COLOUR, EVAL_COLOUR, SERVED_COLOUR = "#1f4e9c", "#d9480f", "#2b8a3e"
 
 
-def acceptance_lengths_by_source(records, methods=("dflash", "dflash_tree", "dflash_lookup", "prompt_lookup")) -> dict[str, dict[str, list[int]]]:
+def acceptance_lengths_by_source(records, methods=("dflash", "dflash_tree", "dflash_lookup", "dflash_datastore", "prompt_lookup")) -> dict[str, dict[str, list[int]]]:
     """{source: {method: acceptance lengths of every round of every prompt}} from evaluate()'s records
     (or the lines of runs.jsonl)."""
     out: dict[str, dict[str, list[int]]] = {}

@@ -22,11 +22,11 @@ from harness.tree import build_tree, follow
 @torch.inference_mode()
 def replay_acceptance(proposer, store: StoreReader, seq_id: str, *, max_new_tokens: int, draft_cutoff: float = 0.0,
                       tree_size: int = 0, tree_branching: int = 4, lookup_ngram: int = 0, lookup_tokens: int = 10,
-                      verified: list | None = None, lookups: list | None = None) -> list[int]:
+                      datastore=None, verified: list | None = None, lookups: list | None = None) -> list[int]:
     """Committed tokens per round when the stored response of `seq_id` is served greedily by `proposer`
     (a DrafterProposer) with at most `max_new_tokens` new tokens, as `speculative_generate` counts them
     (with `tree_size` > 0: a tree of that many candidates verified a round; with `lookup_ngram` > 0, lookup rounds
-    where the newest n-gram occurred before). `verified` and `lookups`, if given, get the drafts verified and
+    where the newest n-gram occurred before; with a `datastore`, its rounds where there was none). `verified` and `lookups`, if given, get the drafts verified and
     whether it was a lookup round appended, a round at a time."""
     seq = store.read(store.index(seq_id), layers=proposer.layer_ids)
     ids = torch.as_tensor(seq.input_ids)
@@ -41,7 +41,10 @@ def replay_acceptance(proposer, store: StoreReader, seq_id: str, *, max_new_toke
     proposer.start()
     lengths, start, context_from = [], first, 0
     while start + 1 < end:
-        found = lookup_draft(ids[: start + 1], lookup_ngram, min(lookup_tokens, limit - start - 1)) if lookup_ngram else None
+        room = min(lookup_tokens, limit - start - 1)
+        found = lookup_draft(ids[: start + 1], lookup_ngram, room) if lookup_ngram else None
+        if found is None and datastore is not None:
+            found = datastore.draft(ids[: start + 1], room)
         if found is None:
             size = min(proposer.block_size, limit - start)
             block = torch.full((1, size), proposer.mask_token_id, dtype=torch.long, device=device)
@@ -72,7 +75,7 @@ def replay_acceptance(proposer, store: StoreReader, seq_id: str, *, max_new_toke
 
 
 def replay_tau(proposer, store_path, seq_ids, *, max_new_tokens: int, draft_cutoff: float = 0.0, tree_size: int = 0,
-               tree_branching: int = 4, lookup_ngram: int = 0, lookup_tokens: int = 10) -> dict | None:
+               tree_branching: int = 4, lookup_ngram: int = 0, lookup_tokens: int = 10, datastore=None) -> dict | None:
     """Replay over the eval prompts found in the store: {"tau", "prompts", "missing"}; None when none is there."""
     store = StoreReader(store_path)
     present = set(store.seq_ids)
@@ -81,5 +84,5 @@ def replay_tau(proposer, store_path, seq_ids, *, max_new_tokens: int, draft_cuto
         return None
     rounds = [n for s in found for n in replay_acceptance(proposer, store, s, max_new_tokens=max_new_tokens, draft_cutoff=draft_cutoff,
                                                           tree_size=tree_size, tree_branching=tree_branching,
-                                                          lookup_ngram=lookup_ngram, lookup_tokens=lookup_tokens)]  # fmt: skip
+                                                          lookup_ngram=lookup_ngram, lookup_tokens=lookup_tokens, datastore=datastore)]  # fmt: skip
     return {"tau": sum(rounds) / len(rounds) if rounds else None, "prompts": len(found), "missing": len(seq_ids) - len(found)}

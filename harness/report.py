@@ -13,7 +13,7 @@ TIMING_NOTE = (
     "generate's first forward, which also verifies its first candidates) for every method. tau = tokens "
     "committed per target forward after the prefill. speedup = decode tokens/s over plain decoding's on the "
     "same prompts (with greedy, identical outputs: plain decode wall time / method decode wall time). "
-    "plain, dflash, dflash_tree and dflash_lookup run the same harness loop (plain = block size 1, no drafter); prompt lookup runs "
+    "plain and the dflash methods run the same harness loop (plain = block size 1, no drafter); prompt lookup runs "
     "transformers generate."
 )
 
@@ -59,13 +59,19 @@ def render_markdown(report: dict) -> str:
     sources = list(next(iter(methods.values()))["by_source"])
     for source in sources:
         out += [f"## {source}", "", methods_table({name: m["by_source"][source] for name, m in methods.items()}), ""]
-    for method in (m for m in ("dflash", "dflash_tree", "dflash_lookup") if m in methods):
+    for method in (m for m in ("dflash", "dflash_tree", "dflash_lookup", "dflash_datastore") if m in methods):
         d = methods[method]
         hist = d["acceptance_histogram"]
         total = max(sum(hist.values()), 1)
         parts = [f"tree of {s['tree_size']} candidates, {s['tree_branching']} a position"] if method != "dflash" else []
-        if method == "dflash_lookup":
-            parts.append(f"lookup rounds where the newest {s.get('lookup_ngram')} tokens occurred before: {d.get('lookup_rounds', 0)} of {d['rounds']}")
+        if method in ("dflash_lookup", "dflash_datastore"):
+            parts.append(f"lookup rounds where the newest {s.get('lookup_ngram')} tokens occurred before: "
+                         f"{d.get('lookup_rounds', 0) - d.get('datastore_rounds', 0)} of {d['rounds']}")
+        if method == "dflash_datastore" and (store := s.get("datastore")):
+            parts.append(f"datastore rounds, the continuation of the newest {s.get('datastore_ngram')} (down to "
+                         f"{s.get('datastore_min_ngram')}) tokens seen at least "
+                         f"{s.get('datastore_min_count')} times in {store['sequences']:,} training responses: "
+                         f"{d.get('datastore_rounds', 0)} of {d['rounds']}")
         tree = f" ({'; '.join(parts)})" if parts else ""
         out += [
             f"## {method} rounds{tree}",

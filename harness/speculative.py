@@ -12,6 +12,7 @@ With `tree_size`, the target verifies a tree of the draft's most probable candid
 chain (`harness/tree.py`) and the cache keeps the accepted path (greedy only). With `lookup_ngram`, a round
 whose newest n-gram occurred before verifies what followed it instead of running the drafter
 (`harness/lookup.py`; greedy only); the drafter's next call then gets the features of every token since.
+With a `datastore`, a round without such a match verifies the datastore's continuation the same way.
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ class Generation:
     draft_s: list[float] = field(default_factory=list)  # per round
     verify_s: list[float] = field(default_factory=list)
     bookkeeping_s: list[float] = field(default_factory=list)
-    lookup_rounds: int = 0  # rounds that verified a lookup draft instead of the drafter's
+    lookup_rounds: int = 0  # rounds that verified a lookup draft instead of the drafter's (datastore rounds included)
+    datastore_rounds: int = 0  # of those, rounds whose draft came from the datastore
     stopped: bool = False  # ended on a stop token
 
     @property
@@ -135,6 +137,7 @@ def speculative_generate(
     tree_branching: int = 4,
     lookup_ngram: int = 0,
     lookup_tokens: int = 10,
+    datastore=None,
 ) -> Generation:
     """Generate up to `max_new_tokens` after `input_ids` (list or [1, n] tensor).
 
@@ -151,7 +154,10 @@ def speculative_generate(
 
     `lookup_ngram` > 0: where the newest `lookup_ngram` tokens occurred earlier in the prompt or output, the
     round verifies up to `lookup_tokens` tokens that followed them (`harness.lookup.lookup_draft`) and skips
-    the drafter; greedy only. Without a proposer this is prompt lookup decoding in this loop."""
+    the drafter; greedy only. Without a proposer this is prompt lookup decoding in this loop.
+
+    `datastore` (a `harness.datastore.Datastore`): where no lookup draft was found, a round verifies the
+    datastore's draft, if it has one, the same way; greedy only."""
     check_sampling(temperature, top_p, top_k)
     if not 0.0 <= draft_cutoff <= 1.0:
         raise ValueError(f"draft_cutoff must be in [0, 1], got {draft_cutoff}")
@@ -163,6 +169,8 @@ def speculative_generate(
         raise ValueError(f"lookup_ngram must be >= 0 (0: no lookup rounds) and lookup_tokens >= 1, got {lookup_ngram} and {lookup_tokens}")
     if lookup_ngram and temperature > 0:
         raise ValueError(f"lookup rounds are greedy only (temperature 0); got lookup_ngram {lookup_ngram} at temperature {temperature}")
+    if datastore is not None and temperature > 0:
+        raise ValueError(f"datastore rounds are greedy only (temperature 0); got a datastore at temperature {temperature}")
     if tree_size and draft_cutoff > 0:
         raise ValueError("tree_size and draft_cutoff both choose what to verify: set one of them")
     if max_new_tokens < 1:
@@ -215,7 +223,11 @@ def speculative_generate(
         size = min(block_size, max_length - start)  # the last block shrinks to end at max_new_tokens
         block = output[:, start : start + size].clone()
         verify_positions, verify_mask, tree, drafted = positions[:, start : start + size], None, None, False
-        found = lookup_draft(output[0, : start + 1], lookup_ngram, min(lookup_tokens, max_length - start - 1)) if lookup_ngram else None
+        room = min(lookup_tokens, max_length - start - 1)
+        found = lookup_draft(output[0, : start + 1], lookup_ngram, room) if lookup_ngram else None
+        if found is None and datastore is not None and room > 0:
+            found = datastore.draft(output[0, : start + 1], room)
+            result.datastore_rounds += found is not None
         if found is not None:
             block = torch.cat([block[:, :1], found[None]], dim=1)
             verify_positions = positions[:, start : start + block.shape[1]]

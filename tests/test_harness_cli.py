@@ -7,7 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
@@ -41,6 +43,20 @@ def target_dir(tmp_path_factory):
     return folder
 
 
+def write_training_store(path, tokenizer_dir, held_out_seq_id):
+    """A training store for the datastore: two responses, and one under an eval prompt's id (to be left out)."""
+    from flashdraft.store import write_store
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
+    sequences = []
+    for seq_id in ("train-0", "train-1", held_out_seq_id):
+        ids = np.asarray(tokenizer("Write a story. <|im_start|>assistant\ndef solution(x):\n    return x + 1\n")["input_ids"])
+        mask = np.arange(len(ids)) >= 6
+        sequences.append({"seq_id": seq_id, "input_ids": ids, "loss_mask": mask, "features": torch.zeros(len(ids), 8)})
+    write_store(path, sequences, layer_ids=[0], hidden_size=8, dtype="float32")
+    return path
+
+
 def overrides(target_dir, out_dir, *extra):
     return [
         f"model.target={target_dir}", "model.dtype=float32", "model.drafter.num_layers=1", "model.drafter.block_size=4",
@@ -54,10 +70,14 @@ def compose_config(over):
 
 
 def test_quick_eval_writes_reports(target_dir, tmp_path, capsys):
+    from flashdraft.prompts import load_prompts
+
+    heldout = load_prompts("humaneval", split="heldout", limit=1)[0].seq_id
+    write_training_store(tmp_path / "features", target_dir, heldout)  # the profile's training store: eval.datastore
     report = run(compose_config(overrides(target_dir, tmp_path)))
     out = tmp_path / "eval"
     saved = json.loads((out / "report.json").read_text())
-    assert saved["methods"].keys() == {"plain", "prompt_lookup", "dflash", "dflash_tree", "dflash_lookup"}
+    assert saved["methods"].keys() == {"plain", "prompt_lookup", "dflash", "dflash_tree", "dflash_lookup", "dflash_datastore"}
     s = saved["settings"]
     assert s["untrained_drafter"] is True and "UNTRAINED" in saved["warning"]
     assert s["prompt_counts"] == {"humaneval": 2, "mtbench": 2} and s["split"] == "heldout"
@@ -82,8 +102,14 @@ def test_quick_eval_writes_reports(target_dir, tmp_path, capsys):
     md = (out / "report.md").read_text()
     assert "UNTRAINED" in md and "| dflash |" in md and "| dflash_tree |" in md and "## dflash_tree rounds (tree of 7" in md and "prefill" in md
     assert "## dflash_lookup rounds (tree of 7 candidates, 4 a position; lookup rounds where the newest 3 tokens" in md
+    ds = saved["methods"]["dflash_datastore"]
+    assert s["datastore"]["store"] == str(tmp_path / "features") and s["datastore"]["excluded_eval_sequences"] == 1
+    assert s["datastore"]["sequences"] == 2 and s["datastore"]["tokens"] > 0 and s["datastore"]["ngrams"] > 0
+    assert s["datastore_ngram"] == 4 and s["datastore_min_ngram"] == 2 and s["datastore_min_count"] == 2
+    assert 0 <= ds["datastore_rounds"] <= ds["lookup_rounds"] <= ds["rounds"] == sum(ds["acceptance_histogram"].values())
+    assert "datastore rounds, the continuation of the newest 4 (down to 2) tokens seen at least 2 times in 2 training responses" in md
     printed = capsys.readouterr().out
-    assert "| prompt_lookup |" in printed and "UNTRAINED" in printed
+    assert "| prompt_lookup |" in printed and "UNTRAINED" in printed and "1 eval prompts' sequences left out" in printed
     assert report["methods"]["dflash"]["decode_tokens"] == saved["methods"]["dflash"]["decode_tokens"]
 
 
@@ -124,6 +150,12 @@ def test_interrupted_eval_resumes_without_rerunning_finished_prompts(target_dir,
     assert fresh["settings"]["resumed_prompts"] == 0 and len(log.read_text().splitlines()) == 4
 
 
+def test_missing_datastore_store_is_named(target_dir, tmp_path):
+    cfg = compose_config(overrides(target_dir, tmp_path, "eval.methods=[plain,dflash_datastore]"))
+    with pytest.raises(FileNotFoundError, match="no feature store at .*features.*eval.datastore"):
+        run(cfg)
+
+
 def test_missing_drafter_is_an_error_unless_allowed(target_dir, tmp_path):
     cfg = compose_config(overrides(target_dir, tmp_path, f"eval.drafter={tmp_path / 'none'}", "eval.allow_untrained=false"))
     with pytest.raises(FileNotFoundError, match="no drafter at"):
@@ -133,7 +165,8 @@ def test_missing_drafter_is_an_error_unless_allowed(target_dir, tmp_path):
 def test_full_config_composes():
     cfg = compose_config(["eval=full"])
     assert cfg.eval.name == "full" and cfg.eval.limit is None and cfg.eval.allow_untrained is False
-    assert list(cfg.eval.methods) == ["plain", "prompt_lookup", "dflash", "dflash_tree", "dflash_lookup"]
+    assert list(cfg.eval.methods) == ["plain", "prompt_lookup", "dflash", "dflash_tree", "dflash_lookup", "dflash_datastore"]
+    assert cfg.eval.datastore.endswith("/features") and cfg.eval.datastore_ngram == 4 and cfg.eval.datastore_min_ngram == 2
 
 
 def test_tree_method_with_sampling_is_refused_by_name(target_dir, tmp_path):

@@ -34,26 +34,32 @@ def served_store(tmp_path_factory):
     return target, proposer, path, served
 
 
-@pytest.mark.parametrize("cutoff,tree_size,lookup", [(0.0, 0, 0), (1e-4, 0, 0), (0.0, 12, 0), (0.0, 0, 2), (0.0, 12, 2)])
-def test_replay_gives_the_served_rounds(served_store, cutoff, tree_size, lookup):
+@pytest.mark.parametrize("cutoff,tree_size,lookup,datastore", [(0.0, 0, 0, False), (1e-4, 0, 0, False), (0.0, 12, 0, False),
+                                                               (0.0, 0, 2, False), (0.0, 12, 2, False), (0.0, 12, 3, True)])
+def test_replay_gives_the_served_rounds(served_store, cutoff, tree_size, lookup, datastore):
     from flashdraft.store import StoreReader
+    from harness.datastore import Datastore
 
     target, proposer, path, served = served_store
     store = StoreReader(path)
-    multi = lookups = 0
+    multi = lookups = from_datastore = 0
     for seq_id, p in served.items():
+        # a datastore of the other responses: its drafts are partly right, as served against a training store
+        data = Datastore.from_store(path, exclude=[seq_id], ngram=2, min_count=1) if datastore else None
         for max_new in (40, 17):
             live = speculative_generate(target, p, max_new_tokens=max_new, proposer=proposer, draft_cutoff=cutoff, tree_size=tree_size,
-                                        lookup_ngram=lookup, lookup_tokens=5)
+                                        lookup_ngram=lookup, lookup_tokens=5, datastore=data)
             kinds = []
             replayed = replay_acceptance(proposer, store, seq_id, max_new_tokens=max_new, draft_cutoff=cutoff, tree_size=tree_size,
-                                         lookup_ngram=lookup, lookup_tokens=5, lookups=kinds)
+                                         lookup_ngram=lookup, lookup_tokens=5, datastore=data, lookups=kinds)
             assert replayed == live.acceptance_lengths, (seq_id, max_new)
             assert sum(kinds) == live.lookup_rounds
             multi += max(live.acceptance_lengths) > 1
             lookups += live.lookup_rounds
+            from_datastore += live.datastore_rounds
     assert multi  # the agreeing drafter gets drafts accepted, so the rounds are not all single tokens
     assert lookups > 0 if lookup else lookups == 0
+    assert from_datastore > 0 if datastore else from_datastore == 0
     summary = replay_tau(proposer, path, [*served, "absent"], max_new_tokens=40, draft_cutoff=cutoff, tree_size=tree_size)
     assert summary["prompts"] == len(served) and summary["missing"] == 1 and summary["tau"] > 1.0
     assert replay_tau(proposer, path, ["absent"], max_new_tokens=40) is None
