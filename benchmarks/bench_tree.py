@@ -67,9 +67,9 @@ def main() -> None:
     datastores = {}
     for d in args.datastores:
         orders, min_count = d.split(":")  # "4:1", or "4-3:2" for 4-grams backing off to 3-grams
-        ngram, min_ngram = (int(x) for x in (orders.split("-") * 2)[:2])
-        datastores[d] = Datastore.from_store(args.datastore_store or args.store, exclude=seq_ids, ngram=ngram, min_ngram=min_ngram,
-                                             min_count=int(min_count))  # fmt: skip
+        ngram, _, min_ngram = orders.partition("-")
+        datastores[d] = Datastore.from_store(args.datastore_store or args.store, exclude=seq_ids, ngram=int(ngram),
+                                             min_ngram=int(min_ngram or ngram), min_count=int(min_count))  # fmt: skip
         print(f"datastore {d}: {len(datastores[d])} n-grams from {datastores[d].sequences} responses "
               f"({datastores[d].excluded} replayed ones left out)", flush=True)
 

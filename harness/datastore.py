@@ -57,9 +57,9 @@ class Datastore:
     @classmethod
     def from_store(cls, path, *, exclude=(), **kwargs) -> Datastore:
         """The responses of the feature store at `path`, minus the sequences whose ids are in `exclude`."""
-        from flashdraft.store import StoreReader
+        from flashdraft.store import MANIFEST, StoreReader
 
-        if not (Path(path) / "manifest.json").is_file():
+        if not path or not (Path(path) / MANIFEST).is_file():
             raise FileNotFoundError(f"no feature store at {str(path)!r} to build the datastore from (eval.datastore): "
                                     "run make features first, or drop dflash_datastore from eval.methods")
         store, exclude = StoreReader(path), set(exclude)

@@ -26,3 +26,14 @@ def lookup_draft(ids: torch.Tensor, ngram: int, num_tokens: int) -> torch.Tensor
         return None
     first = int(hits[0, 0]) + ngram
     return ids[first : first + num_tokens]
+
+
+def draft_without_drafter(ids: torch.Tensor, num_tokens: int, *, lookup_ngram: int = 0, datastore=None) -> tuple[torch.Tensor | None, bool]:
+    """The draft of a round that skips the drafter, and whether the datastore gave it: the lookup draft of the
+    newest `lookup_ngram` tokens (0: none), else the continuation `datastore` (a `harness.datastore.Datastore`)
+    has for them; (None, False) when neither has one. Served rounds and their replay both choose here."""
+    found = lookup_draft(ids, lookup_ngram, num_tokens) if lookup_ngram else None
+    if found is None and datastore is not None:
+        found = datastore.draft(ids, num_tokens)
+        return found, found is not None
+    return found, False

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from flashdraft.store import StoreReader
-from harness.lookup import lookup_draft
+from harness.lookup import draft_without_drafter
 from harness.speculative import verified_prefix
 from harness.tree import build_tree, follow
 
@@ -41,10 +41,8 @@ def replay_acceptance(proposer, store: StoreReader, seq_id: str, *, max_new_toke
     proposer.start()
     lengths, start, context_from = [], first, 0
     while start + 1 < end:
-        room = min(lookup_tokens, limit - start - 1)
-        found = lookup_draft(ids[: start + 1], lookup_ngram, room) if lookup_ngram else None
-        if found is None and datastore is not None:
-            found = datastore.draft(ids[: start + 1], room)
+        found, _ = draft_without_drafter(ids[: start + 1], min(lookup_tokens, limit - start - 1), lookup_ngram=lookup_ngram,
+                                         datastore=datastore)  # fmt: skip
         if found is None:
             size = min(proposer.block_size, limit - start)
             block = torch.full((1, size), proposer.mask_token_id, dtype=torch.long, device=device)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from harness.evaluate import DRAFTER_METHODS, LOOKUP_METHODS
 from harness.training_log import PARITY_TOLERANCE
 
 TIMING_NOTE = (
@@ -59,12 +60,12 @@ def render_markdown(report: dict) -> str:
     sources = list(next(iter(methods.values()))["by_source"])
     for source in sources:
         out += [f"## {source}", "", methods_table({name: m["by_source"][source] for name, m in methods.items()}), ""]
-    for method in (m for m in ("dflash", "dflash_tree", "dflash_lookup", "dflash_datastore") if m in methods):
+    for method in (m for m in DRAFTER_METHODS if m in methods):
         d = methods[method]
         hist = d["acceptance_histogram"]
         total = max(sum(hist.values()), 1)
         parts = [f"tree of {s['tree_size']} candidates, {s['tree_branching']} a position"] if method != "dflash" else []
-        if method in ("dflash_lookup", "dflash_datastore"):
+        if method in LOOKUP_METHODS:
             parts.append(f"lookup rounds where the newest {s.get('lookup_ngram')} tokens occurred before: "
                          f"{d.get('lookup_rounds', 0) - d.get('datastore_rounds', 0)} of {d['rounds']}")
         if method == "dflash_datastore" and (store := s.get("datastore")):

@@ -26,7 +26,7 @@ from transformers import DynamicCache
 
 from flashdraft.model import extract_context_feature
 from flashdraft.sampling import check_sampling, sample, sampling_probs
-from harness.lookup import lookup_draft
+from harness.lookup import draft_without_drafter
 from harness.sampling import greedy_accept, rejection_sample
 from harness.tree import build_tree, greedy_path, tree_mask
 
@@ -223,11 +223,10 @@ def speculative_generate(
         size = min(block_size, max_length - start)  # the last block shrinks to end at max_new_tokens
         block = output[:, start : start + size].clone()
         verify_positions, verify_mask, tree, drafted = positions[:, start : start + size], None, None, False
-        room = min(lookup_tokens, max_length - start - 1)
-        found = lookup_draft(output[0, : start + 1], lookup_ngram, room) if lookup_ngram else None
-        if found is None and datastore is not None and room > 0:
-            found = datastore.draft(output[0, : start + 1], room)
-            result.datastore_rounds += found is not None
+        found, from_datastore = draft_without_drafter(
+            output[0, : start + 1], min(lookup_tokens, max_length - start - 1), lookup_ngram=lookup_ngram, datastore=datastore
+        )
+        result.datastore_rounds += from_datastore
         if found is not None:
             block = torch.cat([block[:, :1], found[None]], dim=1)
             verify_positions = positions[:, start : start + block.shape[1]]
