@@ -8,6 +8,7 @@ directory (`$FLASHDRAFT_CACHE`, default `~/.cache/flashdraft`), so later loads a
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -127,17 +128,28 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
     return AutoTokenizer.from_pretrained(_resolve_reachable(name_or_path), trust_remote_code=trust_remote_code)
 
 
-def cpu_has_bf16_tiles() -> bool:
-    """AMX bf16 tiles: a bf16 matmul over 16 rows costs what one row does (measured in the README)."""
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+def _cpu_supports(probe_name: str) -> bool:
+    probe = getattr(torch.cpu, probe_name, None)
     return bool(probe and probe())
 
 
+def cpu_has_bf16_tiles() -> bool:
+    """AMX bf16 tiles: a bf16 matmul over 16 rows costs what one row does (measured in the README)."""
+    return _cpu_supports("_is_amx_tile_supported")
+
+
+def cpu_has_fast_bf16() -> bool:
+    """AMX tiles, or AVX512-BF16 dot products (AMD Zen 4, Intel Cooper Lake): bf16 GEMMs run 2-4x faster than
+    fp32 ones there (measured on an AMD EPYC, README *Measured*)."""
+    return cpu_has_bf16_tiles() or _cpu_supports("_is_avx512_bf16_supported")
+
+
 def resolve_dtype(name: str, device) -> torch.dtype:
-    """'auto' -> bfloat16 on CUDA and on CPUs with AMX, else float32; other names as torch dtypes."""
+    """'auto' -> bfloat16 on CUDA and on CPUs with fast bf16 (`cpu_has_fast_bf16`), else float32; other names
+    as torch dtypes."""
     if name == "auto":
         on_cuda = torch.device(device).type == "cuda"
-        return torch.bfloat16 if on_cuda or cpu_has_bf16_tiles() else torch.float32
+        return torch.bfloat16 if on_cuda or cpu_has_fast_bf16() else torch.float32
     dtype = getattr(torch, str(name), None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {name!r}: use auto, bfloat16, float16 or float32")
@@ -145,6 +157,7 @@ def resolve_dtype(name: str, device) -> torch.dtype:
 
 
 EXACT_ATTENTION = "rowwise_exact"
+EXACT_ATTENTION_FP32 = "rowwise_exact_fp32"  # the same, with q, k, v upcast to float32 (`make_verification_exact`)
 
 
 def _row_keys(mask, q_len: int, kv_len: int) -> list[tuple[int, torch.Tensor | None, bool]]:
@@ -194,7 +207,7 @@ def _row_plan(mask, q_len: int, kv_len: int) -> list[tuple[int, tuple[int, torch
     return plan
 
 
-def rowwise_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def rowwise_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, compute_dtype=None, **kwargs):
     """Causal (or tree) attention one query row at a time, each row over exactly the keys a one-token decode
     step at that position sees, through the same SDPA call. A k-token verify forward then gives bit for bit
     the logits of k one-token forwards, and a prefill does not depend on how the caller spells its causal
@@ -202,7 +215,13 @@ def rowwise_attention(module, query, key, value, attention_mask, scaling=None, d
 
     A tree row's keys (the context, then its ancestors) are laid out in a scratch copy of the keys: its tail
     is written after the shared prefix, only where the previous row left other keys (`_row_plan`), and the row
-    attends to a view of the scratch, as a decode step over that path attends to its cache."""
+    attends to a view of the scratch, as a decode step over that path attends to its cache.
+
+    `compute_dtype`: run the SDPA calls in this dtype (the output returns in the query's); a one-token step goes
+    through the same cast, so the rows stay exact."""
+    dtype = query.dtype
+    if compute_dtype is not None and compute_dtype != dtype:
+        query, key, value = query.to(compute_dtype), key.to(compute_dtype), value.to(compute_dtype)
     scratch, out = None, []
     for i, (end, write, masked) in enumerate(_row_plan(attention_mask, query.shape[2], key.shape[2])):
         if write is None:  # views, not copies: the kernel reads by strides alike
@@ -219,7 +238,7 @@ def rowwise_attention(module, query, key, value, attention_mask, scaling=None, d
             query[:, :, i : i + 1], k, v, attn_mask=attention_mask[:, :, i : i + 1, :end] if masked else None,
             scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
         ))
-    return torch.cat(out, dim=2).transpose(1, 2).contiguous(), None
+    return torch.cat(out, dim=2).transpose(1, 2).to(dtype).contiguous(), None
 
 
 def _register_exact_attention() -> None:
@@ -227,7 +246,9 @@ def _register_exact_attention() -> None:
     from transformers.masking_utils import sdpa_mask
 
     AttentionInterface.register(EXACT_ATTENTION, rowwise_attention)
-    AttentionMaskInterface.register(EXACT_ATTENTION, sdpa_mask)
+    AttentionInterface.register(EXACT_ATTENTION_FP32, functools.partial(rowwise_attention, compute_dtype=torch.float32))
+    for name in (EXACT_ATTENTION, EXACT_ATTENTION_FP32):
+        AttentionMaskInterface.register(name, sdpa_mask)
 
 
 _register_exact_attention()
@@ -247,27 +268,35 @@ def _row_padded_linear(self, x: torch.Tensor) -> torch.Tensor:
     return out[:rows].reshape(*x.shape[:-1], -1)
 
 
-def make_verification_exact(model, rows: int = 16):
+def make_verification_exact(model, rows: int = 16, fp32_attention: bool | None = None):
     """Make a k-token forward (any k) give bit for bit the logits of k one-token forwards.
 
-    On CPU in bf16 neither holds by itself: a GEMM over 1 row and over 16 rows take different kernels
-    whose results differ in the last bit for some inputs, and so does attention over 1 vs k queries.
-    Every linear layer therefore runs on tiles of exactly `rows` rows (zero-padded; on AMX a 16-row bf16
-    GEMM costs what a 1-row one does) and attention goes row by row (`rowwise_attention`). Longer inputs (prefills)
-    run tile by tile, so they are exact too: transformers' prompt lookup verifies its first candidates inside
-    the prefill."""
+    On CPU neither holds by itself: a GEMM over 1 row and over 16 rows take different kernels whose results
+    differ in the last bit for some inputs (bf16 on Intel AMX; on an AMD EPYC, every fp32 shape of SmolLM2 and
+    its bf16 down projection from 7 rows on), and so does attention over 1 vs k queries. Every linear layer
+    therefore runs on tiles of exactly `rows` rows (zero-padded; on AMX a 16-row bf16 GEMM costs what a 1-row
+    one does) and attention goes row by row (`rowwise_attention`). Longer inputs (prefills) run tile by tile,
+    so they are exact too: transformers' prompt lookup verifies its first candidates inside the prefill.
+
+    `fp32_attention` (None: on CPUs without AMX) runs a low-precision model's row-wise attention in float32:
+    there CPU SDPA in bf16 costs about 5x a float32 call for one query row (233 vs 41 us at 300 keys on an AMD
+    EPYC), and a verify forward makes one call per row and layer."""
     for module in model.modules():
         if isinstance(module, nn.Linear):
             module.exact_rows = rows
             module.forward = _row_padded_linear.__get__(module)
-    model.config._attn_implementation = EXACT_ATTENTION
+    if fp32_attention is None:
+        fp32_attention = not cpu_has_bf16_tiles()
+    upcast = fp32_attention and model.dtype != torch.float32
+    model.config._attn_implementation = EXACT_ATTENTION_FP32 if upcast else EXACT_ATTENTION
     return model
 
 
 def needs_exact_verification(dtype: torch.dtype, device) -> bool:
-    """CPU in bf16/fp16: SDPA and eager attention flip argmaxes after a few hundred tokens there, so the
-    target needs `make_verification_exact`; fp32 and CUDA keep plain SDPA."""
-    return torch.device(device).type == "cpu" and dtype != torch.float32
+    """CPU, every dtype: in bf16 SDPA and eager attention flip argmaxes after a few hundred tokens, and on an AMD
+    EPYC float32 GEMMs give a row other bits next to other rows than alone, so the target needs
+    `make_verification_exact`; CUDA keeps plain SDPA."""
+    return torch.device(device).type == "cpu"
 
 
 def load_target(name_or_path: str, dtype: torch.dtype = torch.float32, device="cpu", trust_remote_code: bool = False):

@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from flashdraft.model import DFlashDrafter, make_draft_config
-from flashdraft.target import EXACT_ATTENTION, cpu_has_bf16_tiles, frozen_head_from_model, make_verification_exact, needs_exact_verification
+from flashdraft.target import EXACT_ATTENTION, EXACT_ATTENTION_FP32, cpu_has_fast_bf16, frozen_head_from_model, make_verification_exact, needs_exact_verification
 from harness.lookup import lookup_draft
 from harness.prompt_lookup import prompt_lookup_generate
 from harness.speculative import DrafterProposer, speculative_generate
@@ -435,14 +435,15 @@ def test_sampling_matches_reference_with_the_same_seed(setup, reference, tmp_pat
         assert ours.acceptance_lengths == ref.acceptance_lengths
 
 
-@pytest.mark.skipif(not cpu_has_bf16_tiles(), reason="bf16 serving is chosen by dtype=auto only on CPUs with AMX")
+@pytest.mark.parametrize("dtype,fp32_attention", [(torch.float32, None), (torch.bfloat16, False), (torch.bfloat16, True)])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_bf16_on_cpu_is_lossless_with_exact_verification(arch):
-    """bf16 on CPU: made exact as the harness makes it (row-padded GEMMs, row-wise attention), a block
-    forward gives the logits of one-token forwards bit for bit at every context length, so speculative
-    output equals plain decoding token for token."""
-    target = make_verification_exact(tiny_target(arch).to(torch.bfloat16), rows=16)
-    assert needs_exact_verification(torch.bfloat16, "cpu") and target.config._attn_implementation == EXACT_ATTENTION
+def test_cpu_is_lossless_with_exact_verification(arch, dtype, fp32_attention):
+    """CPU, fp32 and bf16 (with bf16 or fp32 attention): made exact as the harness makes it (row-padded GEMMs,
+    row-wise attention), a block forward gives the logits of one-token forwards bit for bit at every context
+    length, so speculative output equals plain decoding token for token."""
+    target = make_verification_exact(tiny_target(arch).to(dtype), rows=16, fp32_attention=fp32_attention)
+    attention = EXACT_ATTENTION_FP32 if fp32_attention and dtype != torch.float32 else EXACT_ATTENTION
+    assert needs_exact_verification(dtype, "cpu") and target.config._attn_implementation == attention
     ids = torch.randint(0, VOCAB - 2, (1, 200), generator=torch.Generator().manual_seed(3))
     for start in range(70, 184, 3):
         out = target(ids[:, :start], use_cache=True)
@@ -473,7 +474,7 @@ def test_bf16_on_cpu_is_lossless_with_exact_verification(arch):
             for t in [int(ids[0, start]), *path]:
                 step = target(torch.tensor([[t]]), past_key_values=out.past_key_values, use_cache=True)
             assert torch.equal(rows[row], step.logits[0, -1]), (start, row)
-    drafter = tiny_drafter(tiny_target(arch), block_size=8).to(torch.bfloat16)
+    drafter = tiny_drafter(tiny_target(arch), block_size=8).to(dtype)
     proposer = DrafterProposer(drafter, frozen_head_from_model(target))
     for p in random_prompts(6, seed=5):
         plain = speculative_generate(target, p, max_new_tokens=24).tokens
@@ -482,7 +483,7 @@ def test_bf16_on_cpu_is_lossless_with_exact_verification(arch):
         assert prompt_lookup_generate(target, p, max_new_tokens=24, num_lookup_tokens=4, pad_token_id=0).tokens == plain
 
 
-@pytest.mark.skipif(not cpu_has_bf16_tiles(), reason="bf16 serving is chosen by dtype=auto only on CPUs with AMX")
+@pytest.mark.skipif(not cpu_has_fast_bf16(), reason="bf16 serving is chosen by dtype=auto only on CPUs with fast bf16")
 def test_prompt_lookup_equals_plain_on_smollm2_in_bf16():
     """The embedded target in bf16 on a prompt where transformers' prompt lookup, which verifies its first
     candidates inside the prefill, once left plain output at token 11 (a prefill-sized GEMM vs 16-row tiles)."""
