@@ -53,7 +53,7 @@ class TrainConfig:
     warmup_ratio: float = 0.04
     grad_clip: float = 1.0
     zero_stage: int = 2
-    dtype: str = "auto"  # auto (bf16 on GPU and AMX CPUs, else fp32) | bfloat16 | float32
+    dtype: str = "auto"  # auto (bf16 on GPU and on CPUs with AMX or AVX512-BF16, else fp32) | bfloat16 | float32
     device: str = "auto"
     attention: str = "auto"  # auto (flex on GPU, dense on CPU) | flex | dense
     compile: str = "auto"  # torch.compile the drafter: auto = on GPU
