@@ -140,7 +140,7 @@ def cpu_has_bf16_tiles() -> bool:
 
 def cpu_has_fast_bf16() -> bool:
     """AMX tiles, or AVX512-BF16 dot products (AMD Zen 4, Intel Cooper Lake): bf16 GEMMs run 2-4x faster than
-    fp32 ones there (measured on an AMD EPYC, README *Measured*)."""
+    fp32 ones there (measured on an AMD EPYC, README *On an AMD EPYC*)."""
     return cpu_has_bf16_tiles() or _cpu_supports("_is_avx512_bf16_supported")
 
 
@@ -222,6 +222,8 @@ def rowwise_attention(module, query, key, value, attention_mask, scaling=None, d
     dtype = query.dtype
     if compute_dtype is not None and compute_dtype != dtype:
         query, key, value = query.to(compute_dtype), key.to(compute_dtype), value.to(compute_dtype)
+        if attention_mask is not None and attention_mask.is_floating_point():
+            attention_mask = attention_mask.to(compute_dtype)
     scratch, out = None, []
     for i, (end, write, masked) in enumerate(_row_plan(attention_mask, query.shape[2], key.shape[2])):
         if write is None:  # views, not copies: the kernel reads by strides alike
