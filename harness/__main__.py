@@ -118,7 +118,10 @@ def run(cfg: DictConfig) -> dict:
         block_size = e.block_size or drafter.block_size
         if untrained:
             print(f"\n{'!' * 100}\n!!! {UNTRAINED_WARNING}\n{'!' * 100}\n", file=sys.stderr, flush=True)
+    loaded_target = None
     if needs_exact_verification(dtype, device):
+        if "plain_as_loaded" in methods:  # a second copy, left as loaded: plain decoding as a user runs it
+            loaded_target = load_target(m.target, dtype=dtype, device=device, trust_remote_code=cfg.trust_remote_code)[0]
         make_verification_exact(target)
     settings = DecodeSettings(
         max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p, top_k=e.top_k,
@@ -158,7 +161,7 @@ def run(cfg: DictConfig) -> dict:
     records = evaluate(
         target, prompts, settings, methods=methods, proposer=proposer, datastore=datastore,
         stop_token_ids=stop_token_ids(target, tokenizer),
-        log_path=log_path, warmup=e.warmup, done=done, run_key=key,
+        log_path=log_path, warmup=e.warmup, done=done, run_key=key, loaded_target=loaded_target,
     )
     trees = bool({"dflash_tree", *LOOKUP_METHODS} & set(methods))  # the methods that verify trees
     counts = {}

@@ -2,6 +2,9 @@
 
 Methods
   plain          the harness loop at block size 1: KV cache, one target forward per token
+  plain_as_loaded  the same loop on the target as loaded, without the exact verification the harness gives it on
+                 CPU (unpadded GEMMs, SDPA): the plain decoding a user runs; its `lossless` says whether its tokens
+                 equal the exact target's, and every method's `speedup_vs_loaded` is over it
   prompt_lookup  transformers generate(prompt_lookup_num_tokens=10), the free baseline
   dflash         the harness loop with the drafter, one chain verified a round (the reference)
   dflash_tree    the same drafter, a tree of its most probable candidates verified a round (greedy only)
@@ -34,7 +37,7 @@ from flashdraft.target import chat_input_ids, choose_mask_token, target_layer_id
 from harness.prompt_lookup import prompt_lookup_generate
 from harness.speculative import Generation, speculative_generate
 
-METHODS = ("plain", "prompt_lookup", "dflash", "dflash_tree", "dflash_lookup", "dflash_datastore")
+METHODS = ("plain", "plain_as_loaded", "prompt_lookup", "dflash", "dflash_tree", "dflash_lookup", "dflash_datastore")
 DRAFTER_METHODS = ("dflash", "dflash_tree", "dflash_lookup", "dflash_datastore")
 GREEDY_ONLY = ("dflash_tree", "dflash_lookup", "dflash_datastore")
 LOOKUP_METHODS = ("dflash_lookup", "dflash_datastore")
@@ -123,7 +126,9 @@ def check_drafter_fits(drafter, target, path) -> None:
         raise ValueError(f"drafter {path} does not fit the target: " + "; ".join(problems))
 
 
-def run_method(method, target, prompt: EvalPrompt, settings: DecodeSettings, *, proposer=None, datastore=None, stop_token_ids=(), seed=0) -> Generation:
+def run_method(method, target, prompt: EvalPrompt, settings: DecodeSettings, *, proposer=None, datastore=None, stop_token_ids=(), seed=0,
+               loaded_target=None) -> Generation:
+    """`loaded_target`: the target without exact verification, for plain_as_loaded (None: `target` itself)."""
     common = dict(
         max_new_tokens=settings.max_new_tokens, stop_token_ids=stop_token_ids,
         temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
@@ -132,8 +137,9 @@ def run_method(method, target, prompt: EvalPrompt, settings: DecodeSettings, *, 
         torch.manual_seed(seed)
         return prompt_lookup_generate(target, prompt.input_ids, num_lookup_tokens=settings.prompt_lookup_num_tokens, **common)
     generator = torch.Generator(device=target.device).manual_seed(seed)
-    if method == "plain":
-        return speculative_generate(target, prompt.input_ids, block_size=1, generator=generator, **common)
+    if method in ("plain", "plain_as_loaded"):
+        model = loaded_target if method == "plain_as_loaded" and loaded_target is not None else target
+        return speculative_generate(model, prompt.input_ids, block_size=1, generator=generator, **common)
     if method == "dflash":
         return speculative_generate(
             target, prompt.input_ids, proposer=proposer, block_size=settings.block_size, generator=generator,
@@ -179,7 +185,8 @@ def finished_records(log_path, run_key: str, seq_ids) -> dict[str, dict]:
 
 
 def evaluate(target, prompts, settings: DecodeSettings, *, methods=METHODS, proposer=None, datastore=None, stop_token_ids=(),
-             log_path=None, warmup=True, progress=True, done: dict[str, dict] | None = None, run_key=None) -> list[dict]:
+             log_path=None, warmup=True, progress=True, done: dict[str, dict] | None = None, run_key=None,
+             loaded_target=None) -> list[dict]:
     """Run every method on every prompt (methods interleaved per prompt, so load drifts hit all alike).
     One line per prompt is appended to `log_path` as it finishes (tagged with `run_key`); prompts in `done`
     (seq_id -> record, from `finished_records`) are taken as they are, not run again."""
@@ -198,7 +205,8 @@ def evaluate(target, prompts, settings: DecodeSettings, *, methods=METHODS, prop
     if warmup and any(p.seq_id not in done for p in prompts):  # first calls pay one-off costs (allocator, kernels); keep them out of the timing
         short = DecodeSettings(**{**asdict(settings), "max_new_tokens": min(8, settings.max_new_tokens)})
         for method in methods:
-            run_method(method, target, prompts[0], short, proposer=proposer, datastore=datastore, stop_token_ids=stop_token_ids)
+            run_method(method, target, prompts[0], short, proposer=proposer, datastore=datastore, stop_token_ids=stop_token_ids,
+                       loaded_target=loaded_target)
     records = []
     bar = tqdm(total=len(prompts) * len(methods), desc="eval", unit="gen", disable=not progress)
     log = open(log_path, "a") if log_path else None
@@ -214,7 +222,7 @@ def evaluate(target, prompts, settings: DecodeSettings, *, methods=METHODS, prop
             for method in methods:
                 bar.set_postfix_str(f"{prompt.source}/{prompt.record_id} {method}")
                 g = run_method(method, target, prompt, settings, proposer=proposer, datastore=datastore,
-                               stop_token_ids=stop_token_ids, seed=settings.seed + i)
+                               stop_token_ids=stop_token_ids, seed=settings.seed + i, loaded_target=loaded_target)
                 record["methods"][method] = {
                     "tokens": g.tokens,
                     "prefill_s": g.prefill_s,
@@ -240,10 +248,16 @@ def evaluate(target, prompts, settings: DecodeSettings, *, methods=METHODS, prop
     return records
 
 
+def _decode_throughput(records, method) -> tuple[int, float]:
+    """(decode tokens, decode seconds) of `method` over `records`."""
+    runs = [r["methods"][method] for r in records]
+    return sum(sum(run["acceptance_lengths"]) for run in runs), sum(run["decode_s"] for run in runs)
+
+
 def method_summary(records, method, *, greedy: bool, block_size: int | None = None) -> dict:
     runs = [r["methods"][method] for r in records]
     rounds = [a for run in runs for a in run["acceptance_lengths"]]
-    decode_tokens, decode_s = sum(rounds), sum(run["decode_s"] for run in runs)
+    decode_tokens, decode_s = _decode_throughput(records, method)
     summary = {
         "prompts": len(runs),
         "new_tokens": sum(len(run["tokens"]) for run in runs),
@@ -256,14 +270,15 @@ def method_summary(records, method, *, greedy: bool, block_size: int | None = No
         "speedup": None,
         "lossless": None,
     }
-    if "plain" in records[0]["methods"]:
-        plain = method_summary(records, "plain", greedy=greedy) if method != "plain" else summary
-        if summary["tokens_per_s"] and plain["tokens_per_s"]:
-            summary["speedup"] = summary["tokens_per_s"] / plain["tokens_per_s"]
-        if greedy:
-            same = [r["methods"][method]["tokens"] == r["methods"]["plain"]["tokens"] for r in records]
-            summary["lossless"] = all(same)
-            summary["mismatched_prompts"] = [f"{r['source']}/{r['record_id']}" for r, ok in zip(records, same) if not ok]
+    for baseline, key in (("plain", "speedup"), ("plain_as_loaded", "speedup_vs_loaded")):
+        if baseline in records[0]["methods"]:
+            tokens, seconds = _decode_throughput(records, baseline)
+            if summary["tokens_per_s"] and tokens and seconds > 0:
+                summary[key] = summary["tokens_per_s"] / (tokens / seconds)
+    if "plain" in records[0]["methods"] and greedy:
+        same = [r["methods"][method]["tokens"] == r["methods"]["plain"]["tokens"] for r in records]
+        summary["lossless"] = all(same)
+        summary["mismatched_prompts"] = [f"{r['source']}/{r['record_id']}" for r, ok in zip(records, same) if not ok]
     if method in DRAFTER_METHODS:
         counts = Counter(rounds)
         longest = max(block_size or 1, max(rounds, default=1))  # a lookup round can commit more than a block
