@@ -3,6 +3,7 @@
 import math
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -62,3 +63,16 @@ def test_acceptance_counts_leading_correct_positions():
     assert m["tau"] == 2.5
     assert m["acc_1"] == 1.0 and m["acc_2"] == 0.5 and m["acc_3"] == 0.5
     assert m["acc"] == 4 / 6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_predictions_are_the_first_argmax_on_ties(dtype):
+    # head = identity over a vocabulary of 6 and hidden states from {0, 1, 2}: most rows hold tied maxima
+    torch.manual_seed(0)
+    bs = 4
+    hidden = torch.randint(0, 3, (1, 40 * bs, 6)).to(dtype)
+    labels = hidden[0].float().argmax(dim=-1)[None]  # torch's argmax: the first maximal index
+    weights = torch.ones(1, 40 * bs)
+    _, stats = block_loss(hidden, torch.eye(6, dtype=dtype), labels, weights, bs, chunk=7)
+    assert stats["pos_correct"].tolist() == stats["pos_total"].tolist()
+    assert (hidden[0].max(dim=-1).values[:, None] == hidden[0]).sum(-1).gt(1).float().mean() > 0.3

@@ -47,7 +47,7 @@ def deepspeed_config(*, zero_stage: int, grad_accum: int, grad_clip: float, bf16
 
 def build_engine(drafter, *, lr: float, weight_decay: float, betas, warmup_steps: int, total_steps: int,
                  zero_stage: int, grad_accum: int, grad_clip: float, bf16: bool):
-    """(engine, scheduler). torch AdamW is passed in: DeepSpeed's own needs a ~110 s build."""
+    """(engine, scheduler). torch's fused AdamW is passed in: DeepSpeed's own needs a ~110 s build."""
     import deepspeed
     from transformers import get_cosine_schedule_with_warmup
 
@@ -55,7 +55,7 @@ def build_engine(drafter, *, lr: float, weight_decay: float, betas, warmup_steps
     no_decay = [p for n, p in drafter.named_parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=lr, betas=tuple(betas),
+        lr=lr, betas=tuple(betas), fused=True,  # one kernel for all parameters: a CPU step 147 -> 93 ms (README)
     )
     scheduler = get_cosine_schedule_with_warmup(optimizer, warmup_steps, max(total_steps, 1))
     engine, _, _, scheduler = deepspeed.initialize(
