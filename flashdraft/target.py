@@ -134,7 +134,7 @@ def _cpu_supports(probe_name: str) -> bool:
 
 
 def cpu_has_bf16_tiles() -> bool:
-    """AMX bf16 tiles: a bf16 matmul over 16 rows costs what one row does (measured in the README)."""
+    """AMX bf16 tiles: a bf16 matmul over 16 rows costs 10-15% more than over one row (README, *Quick profile*)."""
     return _cpu_supports("_is_amx_tile_supported")
 
 
@@ -276,8 +276,8 @@ def make_verification_exact(model, rows: int = 16, fp32_attention: bool | None =
     On CPU neither holds by itself: a GEMM over 1 row and over 16 rows take different kernels whose results
     differ in the last bit for some inputs (bf16 on Intel AMX; on an AMD EPYC, every fp32 shape of SmolLM2 and
     its bf16 down projection from 7 rows on), and so does attention over 1 vs k queries. Every linear layer
-    therefore runs on tiles of exactly `rows` rows (zero-padded; on AMX a 16-row bf16 GEMM costs what a 1-row
-    one does) and attention goes row by row (`rowwise_attention`). Longer inputs (prefills) run tile by tile,
+    therefore runs on tiles of exactly `rows` rows (zero-padded; on AMX a 16-row bf16 GEMM costs 10-15% more
+    than a 1-row one) and attention goes row by row (`rowwise_attention`). Longer inputs (prefills) run tile by tile,
     so they are exact too: transformers' prompt lookup verifies its first candidates inside the prefill.
 
     `fp32_attention` (None: on CPUs without AMX) runs a low-precision model's row-wise attention in float32:
