@@ -30,6 +30,21 @@ def test_embedded_default_loads_as_plain_llama():
     assert not any(p.requires_grad for p in model.parameters())
 
 
+def test_batched_prefill_head_runs_on_its_rows_not_on_a_copied_weight():
+    # logits_to_keep=1 hands the head hidden[:, -1:], a strided view; torch would copy the [V, H] weight per row
+    from torch.profiler import ProfilerActivity, profile
+
+    model, _ = load_target(EMBEDDED_NAME, dtype=torch.bfloat16)
+    ids = torch.randint(0, 1000, (8, 40))
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        out = model(input_ids=ids, logits_to_keep=1)
+    biggest = max((torch.Size(s).numel() for e in prof.events() if e.name == "aten::copy_" for s in e.input_shapes if s), default=0)
+    assert biggest < model.lm_head.weight.numel(), f"a copy of {biggest} elements: the head weight was expanded"
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids).last_hidden_state
+    assert torch.equal(out.logits, torch.nn.functional.linear(hidden[:, -1:].contiguous(), model.lm_head.weight))
+
+
 def test_chat_template_system_prompt_and_generation_prompt(smol_tokenizer):
     msgs = [{"role": "user", "content": "Hi there"}]
     default = smol_tokenizer.decode(chat_input_ids(smol_tokenizer, msgs))
