@@ -326,11 +326,13 @@ def _dense_head_input(module, args):
     batch row and copies it (1.8 GB for 32 rows of SmolLM2: a batched prefill's head took 2.2-2.7 s instead of 4
     ms, one bf16 row 77 ms instead of 3). The copy is a few rows; the logits are bit for bit the same."""
     x = args[0]
+    if x.dim() <= 2:  # rows already (the drafter's draft logits): dense or not, torch runs them as one GEMM
+        return None
     dense, stride = [], 1
     for size in reversed(x.shape):
         dense.append(stride)
         stride *= size
-    if x.dim() > 2 and x.stride() != tuple(reversed(dense)):
+    if x.stride() != tuple(reversed(dense)):
         return (x.clone(memory_format=torch.contiguous_format), *args[1:])
     return None
 
