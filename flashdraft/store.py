@@ -11,6 +11,9 @@ Layout of a store directory (readable with plain `zarr.open_group(store/"shards"
                                       uint16 holding bfloat16 bits | float16 | uint8 holding
                                       float8_e4m3fn bits | float32 (manifest "dtype" says which)
         layer_<i>_scale float32 [T]   fp8 only: per-token scale, value = fp8 * scale
+        teacher_ids int32 [T, k]      optional (layout teacher_topk = k > 0): row j holds the target's k most
+        teacher_logp float16 [T, k]   likely next tokens after token j and their log-probabilities (soft labels
+                                      for token j+1); -inf where not captured (prompt tokens before the last)
     shards/.tmp-<name>-<uid>/     a shard being written; renamed to its name once complete
 
 Feature arrays are sharded along tokens (`shard_tokens` rows per file) with small inner chunks
@@ -64,10 +67,10 @@ def layer_key(layer_id: int) -> str:
     return f"layer_{int(layer_id):02d}"
 
 
-def bytes_per_token(num_layers: int, hidden_size: int, dtype: str) -> int:
-    """Uncompressed bytes one token costs: features (+ fp8 scales) + input id + loss mask."""
+def bytes_per_token(num_layers: int, hidden_size: int, dtype: str, teacher_topk: int = 0) -> int:
+    """Uncompressed bytes one token costs: features (+ fp8 scales) + input id + loss mask (+ teacher top-k)."""
     per_layer = hidden_size * DTYPES[dtype][1] + (4 if dtype == "float8_e4m3" else 0)
-    return num_layers * per_layer + 4 + 1
+    return num_layers * per_layer + 4 + 1 + 6 * teacher_topk
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,7 @@ class StoreLayout:
     clevel: int = 3
     chunk_tokens: int = 64  # inner chunk: the unit of a random read
     shard_tokens: int = 4096  # outer chunk: one file per array per shard_tokens rows; the write unit
+    teacher_topk: int = 0  # > 0: the target's top-k next-token log-probs per token (teacher_ids/teacher_logp)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -89,6 +93,8 @@ class StoreLayout:
             raise StoreError(f"layer_ids must be distinct and non-empty, got {list(self.layer_ids)}")
         if self.shard_tokens % self.chunk_tokens:
             raise StoreError(f"shard_tokens {self.shard_tokens} is not a multiple of chunk_tokens {self.chunk_tokens}")
+        if self.teacher_topk < 0:
+            raise StoreError(f"teacher_topk must be >= 0, got {self.teacher_topk}")
 
     @classmethod
     def from_manifest(cls, manifest: dict) -> StoreLayout:
@@ -101,7 +107,7 @@ class StoreLayout:
             "layer_ids": list(self.layer_ids),
             "hidden_size": self.hidden_size,
             "dtype": self.dtype,
-            "layout": {k: d[k] for k in ("codec", "clevel", "chunk_tokens", "shard_tokens")},
+            "layout": {k: d[k] for k in ("codec", "clevel", "chunk_tokens", "shard_tokens", "teacher_topk") if k != "teacher_topk" or d[k]},
         }
 
     def compressors(self, typesize: int):
@@ -238,6 +244,10 @@ class ShardWriter:
             self.arrays[k] = self._create(k, (0, H), zdt, (lay.chunk_tokens, H), (lay.shard_tokens, H))
             if lay.dtype == "float8_e4m3":
                 self.arrays[k + "_scale"] = self._create(k + "_scale", (0,), "float32", (lay.shard_tokens,), None)
+        if lay.teacher_topk:
+            k = lay.teacher_topk
+            self.arrays["teacher_ids"] = self._create("teacher_ids", (0, k), "int32", (lay.chunk_tokens, k), (lay.shard_tokens, k))
+            self.arrays["teacher_logp"] = self._create("teacher_logp", (0, k), "float16", (lay.chunk_tokens, k), (lay.shard_tokens, k))
         self.buffers = {k: [] for k in self.arrays}
         self.buffered = 0
         self.written = 0
@@ -256,7 +266,8 @@ class ShardWriter:
             config={"write_empty_chunks": True},  # verify can then tell a missing file from zeros
         )  # fmt: skip
 
-    def append(self, seq_id: str, input_ids, loss_mask, features) -> None:
+    def append(self, seq_id: str, input_ids, loss_mask, features, teacher=None) -> None:
+        """teacher: (ids [S, k], log-probs [S, k]) when the layout keeps the target's top-k, else None."""
         if self.closed:
             raise StoreError(f"shard {self.name} is already closed")
         ids = np.asarray(input_ids, dtype=np.int64).reshape(-1)
@@ -274,6 +285,15 @@ class ShardWriter:
             raise StoreError(f"sequence {seq_id!r}: features contain NaN or Inf")
         if ids.min() < 0 or ids.max() >= 2**31:
             raise StoreError(f"sequence {seq_id!r}: token ids out of int32 range")
+        k = self.layout.teacher_topk
+        if k and teacher is None:
+            raise StoreError(f"sequence {seq_id!r}: this store keeps the target's top-{k} next tokens, none given")
+        if k:
+            t_ids, t_logp = (torch.as_tensor(x) for x in teacher)
+            if tuple(t_ids.shape) != (S, k) or tuple(t_logp.shape) != (S, k):
+                raise StoreError(
+                    f"sequence {seq_id!r}: teacher ids {list(t_ids.shape)} / log-probs {list(t_logp.shape)}, expected [{S}, {k}]"
+                )
         if seq_id in self._seen:
             raise StoreError(f"sequence {seq_id!r} appended twice to shard {self.name}")
         self._seen.add(seq_id)
@@ -284,6 +304,9 @@ class ShardWriter:
             self.buffers[layer_key(i)].append(data)
             if scale is not None:
                 self.buffers[layer_key(i) + "_scale"].append(scale)
+        if k:
+            self.buffers["teacher_ids"].append(t_ids.to(torch.int32).numpy())
+            self.buffers["teacher_logp"].append(t_logp.to(torch.float16).numpy())
         self.seq_ids.append(str(seq_id))
         self.offsets.append(self.offsets[-1] + S)
         self.response_tokens += int(mask.sum())
@@ -384,10 +407,13 @@ class StoreWriter:
         clevel: int = 3,
         chunk_tokens: int = 64,
         shard_tokens: int = 4096,
+        teacher_topk: int = 0,
         manifest_extra: dict | None = None,
     ):
         self.path = Path(path)
-        self.layout = StoreLayout(tuple(int(i) for i in layer_ids), int(hidden_size), dtype, codec, clevel, chunk_tokens, shard_tokens)
+        self.layout = StoreLayout(
+            tuple(int(i) for i in layer_ids), int(hidden_size), dtype, codec, clevel, chunk_tokens, shard_tokens, int(teacher_topk)
+        )
         extra = dict(manifest_extra or {})
         fresh = {
             "format_version": FORMAT_VERSION,
@@ -517,7 +543,7 @@ def write_store(path, sequences, *, layer_ids, hidden_size, dtype="bfloat16", ma
     writer = StoreWriter(path, layer_ids=layer_ids, hidden_size=hidden_size, dtype=dtype, manifest_extra=manifest_extra, **layout)
     with writer.shard(shard_name) as shard:
         for s in sequences:
-            shard.append(s["seq_id"], s["input_ids"], s["loss_mask"], s["features"])
+            shard.append(s["seq_id"], s["input_ids"], s["loss_mask"], s["features"], s.get("teacher"))
     writer.register(shard.info())
     return StoreReader(path)
 
@@ -531,6 +557,8 @@ class StoredSequence:
     input_ids: np.ndarray  # int64 [S]
     loss_mask: np.ndarray  # bool [S]
     features: torch.Tensor  # float32 [S, len(layers) * H]
+    teacher_ids: np.ndarray | None = None  # int64 [S, k]: the target's top-k next tokens after each token
+    teacher_logp: np.ndarray | None = None  # float32 [S, k]: their log-probabilities (-inf: not captured)
 
 
 @dataclass
@@ -594,7 +622,12 @@ class StoreReader:
             shard.arrays[key] = zarr.open_array(str(shard.dir / key), mode="r")
         return shard.arrays[key]
 
-    def read(self, i: int, layers=None) -> StoredSequence:
+    @property
+    def teacher_topk(self) -> int:
+        return self.layout.teacher_topk
+
+    def read(self, i: int, layers=None, teacher: bool = False) -> StoredSequence:
+        """Sequence i with the features of `layers` (default: all), and its teacher top-k if asked."""
         if not -len(self) <= i < len(self):
             raise IndexError(f"sequence index {i} out of range for a store of {len(self)}")
         i = int(i) % len(self)
@@ -602,6 +635,8 @@ class StoreReader:
         bad = [x for x in layers if x not in self.layer_ids]
         if bad:
             raise StoreError(f"layers {bad} are not in this store (it holds {self.layer_ids})")
+        if teacher and not self.teacher_topk:
+            raise StoreError(f"{self.path} holds no teacher top-k (capture it with data.store.teacher_topk=8)")
         shard = self._shards[self._shard_of[i]]
         j = self._index_in[i]
         a, b = int(shard.offsets[j]), int(shard.offsets[j + 1])
@@ -615,6 +650,8 @@ class StoreReader:
             self._array(shard, "input_ids")[a:b].astype(np.int64),
             self._array(shard, "loss_mask")[a:b].astype(np.bool_),
             torch.cat(feats, dim=-1),
+            self._array(shard, "teacher_ids")[a:b].astype(np.int64) if teacher else None,
+            self._array(shard, "teacher_logp")[a:b].astype(np.float32) if teacher else None,
         )
 
     __getitem__ = read
@@ -661,6 +698,8 @@ def verify_store(path: str | Path, *, progress: bool = True) -> tuple[list[str],
     keys = ["input_ids", "loss_mask"] + [layer_key(i) for i in layout.layer_ids]
     if layout.dtype == "float8_e4m3":
         keys += [layer_key(i) + "_scale" for i in layout.layer_ids]
+    if layout.teacher_topk:
+        keys += ["teacher_ids", "teacher_logp"]
     seen: dict[str, str] = {}
     total_seq = total_tok = 0
     shards = manifest["shards"]

@@ -76,7 +76,8 @@ def estimate_command(cfg: DictConfig) -> int:
     records, _ = records_from(cfg)
     hidden = int(cfg.model.hidden_size)
     e = estimate(records, settings, hidden_size=hidden, dtype=cfg.data.store.dtype, store_path=cfg.features_dir,
-                 expected_response_tokens=cfg.data.expected_response_tokens)  # fmt: skip
+                 expected_response_tokens=cfg.data.expected_response_tokens,
+                 teacher_topk=int(cfg.data.store.get("teacher_topk", 0)))  # fmt: skip
     gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
     print(
         f"{e['prompts']} prompts x ({e['mean_prompt_tokens']} prompt + {e['expected_response_tokens']} response) tokens "

@@ -7,10 +7,15 @@ step runs so that every stored position, the last one included, holds the target
 the features of a sequence therefore equal a fresh full forward over its tokens.
 
 `capture` is the capture-only mode for data that already has responses: one prefill per batch.
+
+With `teacher_topk=k` both also keep, per token, the target's k most likely next tokens and their
+log-probabilities (soft labels for the trainer): in `regenerate` from the logits each step computes
+anyway, so from the last prompt token on; in `capture` for every token, from the final hidden states.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -40,6 +45,14 @@ class Captured:
     loss_mask: torch.Tensor  # bool [S]
     features: torch.Tensor  # [S, n*H], the target's dtype, on CPU
     finished: bool  # ended with a stop token (False: hit the length limit)
+    teacher: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids int64 [S, k], log-probs float32 [S, k])
+
+
+def next_token_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., V] logits -> (ids, log-probs) [..., k] of the k most likely next tokens, on the CPU."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top = logp.topk(k, dim=-1)
+    return top.indices.cpu(), top.values.cpu()
 
 
 def left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -77,6 +90,7 @@ def regenerate(
     sampling: Sampling = Sampling(),
     generator: torch.Generator | None = None,
     batch_size: int | None = None,
+    teacher_topk: int = 0,
 ) -> list[Captured]:
     """Generate a response per prompt and return prompt+response with their features, in prompt order.
 
@@ -96,7 +110,7 @@ def regenerate(
     waiting, results = deque(range(len(prompts))), [None] * len(prompts)
     rows: list[int] = []  # prompt index of each batch row
     cache = mask = pos = tok = lengths = ending = stopped = None
-    tokens, feats = {}, {}
+    tokens, feats, teacher = {}, {}, {}
 
     def choose(logits, row_limits):
         nonlocal lengths
@@ -114,6 +128,12 @@ def regenerate(
             prompt_feats = extract_context_feature(out.hidden_states, layer_ids).cpu()
             for r, i in enumerate(joining):
                 feats[i], tokens[i] = [prompt_feats[r, ids.shape[1] - len(prompts[i]) :]], []
+            if teacher_topk:
+                top_ids, top_logp = next_token_topk(out.logits[:, -1], teacher_topk)
+                for r, i in enumerate(joining):  # nothing before the last prompt token; it predicts the first response token
+                    n = len(prompts[i]) - 1
+                    teacher[i] = [(torch.zeros(n, teacher_topk, dtype=torch.long), torch.full((n, teacher_topk), -math.inf)),
+                                  (top_ids[r : r + 1], top_logp[r : r + 1])]  # fmt: skip
             new_tok = pick_tokens(out.logits[:, -1], sampling, generator)
             new_stop = torch.isin(new_tok, stops)
             new_limit = torch.as_tensor([limits[i] for i in joining], device=device)
@@ -131,12 +151,16 @@ def regenerate(
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos[:, None], cache=cache, **step)
         step_feats = extract_context_feature(out.hidden_states, layer_ids)[:, 0].cpu()
+        if teacher_topk:
+            top_ids, top_logp = next_token_topk(out.logits[:, -1], teacher_topk)
         for r, (i, t) in enumerate(zip(rows, tok.tolist())):
             tokens[i].append(t)
             feats[i].append(step_feats[r : r + 1])
+            if teacher_topk:
+                teacher[i].append((top_ids[r : r + 1], top_logp[r : r + 1]))
         for r in ending.nonzero()[:, 0].tolist():
             i = rows[r]
-            results[i] = _captured(prompts[i], tokens.pop(i), feats.pop(i), bool(stopped[r]), f"prompt {i}")
+            results[i] = _captured(prompts[i], tokens.pop(i), feats.pop(i), bool(stopped[r]), f"prompt {i}", teacher.pop(i, None))
         row_limits = torch.as_tensor([limits[i] for i in rows], device=device)
         tok, stopped, at_limit = choose(out.logits[:, -1], row_limits)
         pos = pos + 1
@@ -179,11 +203,13 @@ def _new_cache(model) -> DynamicCache:
     return cache
 
 
-def _captured(prompt: list[int], response: list[int], feats: list[torch.Tensor], finished: bool, what: str) -> Captured:
+def _captured(prompt: list[int], response: list[int], feats: list[torch.Tensor], finished: bool, what: str,
+              teacher: list | None = None) -> Captured:  # fmt: skip
     features = torch.cat(feats)
     _check_finite(features, what)
     tokens = torch.as_tensor(list(prompt) + response, dtype=torch.long)
-    return Captured(tokens, torch.arange(len(tokens)) >= len(prompt), features, finished)
+    top = (torch.cat([t[0] for t in teacher]), torch.cat([t[1] for t in teacher])) if teacher else None
+    return Captured(tokens, torch.arange(len(tokens)) >= len(prompt), features, finished, top)
 
 
 def _left_pad_columns(x: torch.Tensor, width: int, dim: int) -> torch.Tensor:
@@ -215,16 +241,20 @@ def _trim_padding(cache: DynamicCache, mask: torch.Tensor):
 
 
 @torch.no_grad()
-def capture(model, sequences: list[list[int]], loss_masks: list, layer_ids: list[int], *, pad_id: int) -> list[Captured]:
+def capture(model, sequences: list[list[int]], loss_masks: list, layer_ids: list[int], *, pad_id: int,
+            teacher_topk: int = 0) -> list[Captured]:  # fmt: skip
     """Capture-only: one left-padded prefill over complete sequences (prompt + existing response)."""
     device = next(model.parameters()).device
     ids, mask, pos = left_pad(sequences, pad_id, device)
     out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, output_hidden_states=True, logits_to_keep=1)
     feats = extract_context_feature(out.hidden_states, layer_ids).cpu()
     width = feats.shape[1]
+    head = model.get_output_embeddings()
     results = []
     for r, (s, m) in enumerate(zip(sequences, loss_masks)):
         f = feats[r, width - len(s) :]
         _check_finite(f, f"sequence {r} of the batch")
-        results.append(Captured(torch.as_tensor(s, dtype=torch.long), torch.as_tensor(m, dtype=torch.bool), f, True))
+        # hidden_states[-1] is the final-normed state the head reads; one row at a time keeps [S, V] logits small
+        top = next_token_topk(head(out.hidden_states[-1][r, width - len(s) :]), teacher_topk) if teacher_topk else None
+        results.append(Captured(torch.as_tensor(s, dtype=torch.long), torch.as_tensor(m, dtype=torch.bool), f, True, top))
     return results

@@ -56,7 +56,8 @@ def open_store(store_path, settings: CaptureSettings, *, sources, store_options:
     return StoreWriter(store_path, layer_ids=settings.layer_ids, hidden_size=config.hidden_size, manifest_extra=extra, **store_options)
 
 
-def estimate(records, settings: CaptureSettings, *, hidden_size: int, dtype: str, store_path, expected_response_tokens: int | None = None, sample: int = 256) -> dict:
+def estimate(records, settings: CaptureSettings, *, hidden_size: int, dtype: str, store_path, expected_response_tokens: int | None = None, sample: int = 256,
+             teacher_topk: int = 0) -> dict:  # fmt: skip
     """Bytes on disk before capture: prompts x expected length x layers x hidden x bytes/element.
 
     Prompt lengths are measured on a sample of rendered prompts (about 4 characters a token where
@@ -82,7 +83,7 @@ def estimate(records, settings: CaptureSettings, *, hidden_size: int, dtype: str
     response = expected_response_tokens if expected_response_tokens is not None else settings.max_new_tokens / 2
     per_seq = min(settings.max_length, prompt + response)
     tokens = int(len(records) * per_seq)
-    bpt = bytes_per_token(len(settings.layer_ids), hidden_size, dtype)
+    bpt = bytes_per_token(len(settings.layer_ids), hidden_size, dtype, teacher_topk)
     path = Path(store_path)
     while not path.exists():
         path = path.parent

@@ -132,7 +132,7 @@ class CaptureWorker:
                     encoded.append((rec, *e))
             encoded.sort(key=lambda x: len(x[1]))  # similar lengths batch (and join the batch) with little padding
             for (rec, *_), out in zip(encoded, self._capture(encoded, task_seed(self.s.seed, task.name, 0))):
-                shard.append(rec.seq_id, out.input_ids, out.loss_mask, out.features)
+                shard.append(rec.seq_id, out.input_ids, out.loss_mask, out.features, out.teacher)
         return {"info": shard.info(), "pid": os.getpid(), "seconds": time.time() - t0}
 
     def _capture(self, encoded, seed: int):
@@ -142,11 +142,12 @@ class CaptureWorker:
             out = []
             for b in range(0, len(ids), self.s.batch_size):
                 out += capture(self.model, ids[b : b + self.s.batch_size], [x[2] for x in encoded[b : b + self.s.batch_size]],
-                               list(self.s.layer_ids), pad_id=self.pad_id)  # fmt: skip
+                               list(self.s.layer_ids), pad_id=self.pad_id, teacher_topk=self.layout.teacher_topk)  # fmt: skip
             return out
         gen = torch.Generator(device=self.model.device).manual_seed(seed) if self.s.sampling.do_sample else None
         return regenerate(
             self.model, ids, list(self.s.layer_ids),
             max_new_tokens=[min(self.s.max_new_tokens, self.s.max_length - len(p)) for p in ids],
             stop_ids=self.stop_ids, pad_id=self.pad_id, sampling=self.s.sampling, generator=gen, batch_size=self.s.batch_size,
+            teacher_topk=self.layout.teacher_topk,
         )  # fmt: skip

@@ -4,6 +4,7 @@ import json
 import os
 import time
 
+import numpy as np
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -77,6 +78,27 @@ def test_regenerate_captures_what_a_fresh_forward_computes(kind, batch_size):
         assert (r.features - c.features).abs().max() < 1e-4 and torch.equal(r.loss_mask, c.loss_mask)
 
 
+@pytest.mark.parametrize("batch_size", [None, 2])
+def test_teacher_topk_is_the_fresh_forwards_next_token_distribution(batch_size):
+    """Row j holds the target's top-k after token j: from the last prompt token on in regenerate (the logits
+    each step computes anyway), on every token in capture; greedy, so row j's top token is token j + 1."""
+    model, k = tiny(), 5
+    prompts = [[1, 5, 9, 3], list(range(7, 20)), [2], [8, 9]]
+    out = regenerate(model, prompts, LAYERS, max_new_tokens=[9, 4, 7, 6], stop_ids=[5, 6], pad_id=0, batch_size=batch_size,
+                     teacher_topk=k)  # fmt: skip
+    seqs = [r.input_ids.tolist() for r in out]
+    captured = capture(model, seqs, [r.loss_mask for r in out], LAYERS, pad_id=0, teacher_topk=k)
+    for p, r, c in zip(prompts, out, captured):
+        ids, logp = r.teacher
+        assert ids.shape == logp.shape == (len(r.input_ids), k)
+        ref = torch.log_softmax(model(input_ids=r.input_ids[None]).logits[0].float(), -1).topk(k, -1)
+        n = len(p) - 1
+        assert torch.isinf(logp[:n]).all() and torch.equal(ids[n:], ref.indices[n:])
+        assert (logp[n:] - ref.values[n:]).abs().max() < 1e-4
+        assert ids[n:-1, 0].tolist() == r.input_ids[n + 1 :].tolist()
+        assert torch.equal(c.teacher[0], ref.indices) and (c.teacher[1] - ref.values).abs().max() < 1e-4
+
+
 def test_sampling_is_seeded_and_respects_top_k():
     model = tiny()
     s = Sampling(do_sample=True, temperature=1.5, top_k=3)
@@ -147,6 +169,22 @@ def test_capture_mode_keeps_given_responses(tmp_path, target):
         ref = capture_features(worker.model, torch.as_tensor(s.input_ids)[None], LAYERS)[0]
         assert (s.features - ref.to(torch.bfloat16).float()).abs().max() <= 0.02 * ref.abs().max()
     assert "no response to capture" in open(tmp_path / "s" / REJECTS).read()
+
+
+def test_a_store_with_teacher_topk_is_captured_through_the_fleet(tmp_path, target):
+    records = load_prompts("humaneval", limit=3)
+    settings = settings_for(target)
+    writer = open_store(tmp_path / "s", settings, sources=["test"], store_options=dict(shard_tokens=256, chunk_tokens=32, teacher_topk=3))
+    run_fleet(tmp_path / "s", records, settings, writer, FleetConfig(num_actors=0, shard_size=2), load_rejects=[], progress=False)
+    r = StoreReader(tmp_path / "s")
+    assert len(r) == 3 and r.teacher_topk == 3 and verify_store(tmp_path / "s", progress=False)[0] == []
+    for i in range(3):
+        s = r.read(i, teacher=True)
+        first = int(s.loss_mask.argmax())  # the first response token is the top token after the last prompt token
+        assert np.isinf(s.teacher_logp[: first - 1]).all() and np.isfinite(s.teacher_logp[first - 1 :]).all()
+        assert (s.teacher_ids[first - 1 : -1, 0] == s.input_ids[first:]).all()
+    with pytest.raises(StoreError, match="different capture"):  # a resume must keep the same setting
+        open_store(tmp_path / "s", settings, sources=["test"], store_options=dict(shard_tokens=256, chunk_tokens=32))
 
 
 def test_resume_skips_committed_and_refuses_another_capture(tmp_path, target):

@@ -195,3 +195,31 @@ def test_reader_is_lazy_and_picklable(tmp_path):
     r2 = pickle.loads(pickle.dumps(r))
     assert torch.equal(r2.read(12).features, x.features) and r2.index("seq-1-0") == 5
     assert StoreLayout.from_manifest(r.manifest) == w.layout
+
+
+def test_teacher_topk_round_trip_and_checks(tmp_path):
+    k = 4
+    seqs = make_sequences(lengths=(5, 100, 70))
+    g = torch.Generator().manual_seed(3)
+    for s in seqs:
+        n = len(s["input_ids"])
+        logp = torch.log_softmax(torch.randn(n, 50, generator=g), -1).topk(k, -1)
+        s["teacher"] = (logp.indices, logp.values.clone())
+        s["teacher"][1][: n // 3 - 1] = -torch.inf  # prompt tokens before the last: not captured
+    r = write_store(tmp_path / "s", seqs, teacher_topk=k, **small())
+    assert r.teacher_topk == k and r.manifest["layout"]["teacher_topk"] == k
+    for i, s in enumerate(seqs):
+        got = r.read(i, teacher=True)
+        assert np.array_equal(got.teacher_ids, s["teacher"][0].numpy())
+        assert np.array_equal(got.teacher_logp, s["teacher"][1].to(torch.float16).float().numpy())
+        assert r.read(i).teacher_ids is None  # not read unless asked
+    assert verify_store(tmp_path / "s", progress=False)[0] == []
+    plain = write_store(tmp_path / "plain", seqs[:1], **small())
+    assert "teacher_topk" not in plain.manifest["layout"]  # stores without it keep their old layout identity
+    with pytest.raises(StoreError, match="holds no teacher top-k"):
+        plain.read(0, teacher=True)
+    with pytest.raises(StoreError, match="top-4 next tokens, none given"):
+        write_store(tmp_path / "none", [{k_: v for k_, v in seqs[0].items() if k_ != "teacher"}], teacher_topk=k, **small())
+    bad = dict(seqs[0], teacher=(seqs[0]["teacher"][0][:, :2], seqs[0]["teacher"][1][:, :2]))
+    with pytest.raises(StoreError, match=r"expected \[5, 4\]"):
+        write_store(tmp_path / "bad", [bad], teacher_topk=k, **small())

@@ -10,7 +10,7 @@ from trainer.data import Prefetcher, TrainingData, valid_anchor_counts
 H = 8
 
 
-def make_store(path, n=40, seed=0):
+def make_store(path, n=40, seed=0, teacher_topk=0):
     rng = np.random.default_rng(seed)
     seqs = []
     for i in range(n):
@@ -19,7 +19,11 @@ def make_store(path, n=40, seed=0):
         mask[int(rng.integers(1, s)) :] = True  # some responses are too short to hold a block of 8
         seqs.append({"seq_id": f"q{i}", "input_ids": rng.integers(0, 50, s), "loss_mask": mask,
                      "features": torch.randn(s, 2 * H)})
-    return write_store(path, seqs, layer_ids=[2, 5], hidden_size=H, dtype="float32", shard_tokens=256, chunk_tokens=32)
+        if teacher_topk:
+            logp = torch.log_softmax(torch.randn(s, 50), -1).topk(teacher_topk, -1)
+            seqs[-1]["teacher"] = (logp.indices, logp.values)
+    return write_store(path, seqs, layer_ids=[2, 5], hidden_size=H, dtype="float32", shard_tokens=256, chunk_tokens=32,
+                       teacher_topk=teacher_topk)
 
 
 def data(store, **kw):
@@ -78,3 +82,27 @@ def test_batches_hold_the_right_blocks_and_loader_keeps_order(tmp_path):
     assert (b.block_ids[0].view(-1, 8)[: len(a), 0] == torch.as_tensor(seq.input_ids[a.numpy()])).all()
     assert (b.block_ids[0].view(-1, 8)[:, 1:] == 49).all()
     np.testing.assert_array_equal(b.position_ids[0, b.context_len : b.context_len + 8].numpy(), int(a[0]) + np.arange(8))
+
+
+def test_soft_label_rows_are_the_targets_topk_after_the_previous_token(tmp_path):
+    store = make_store(tmp_path / "s", teacher_topk=3)
+    d = data(store, teacher=True)
+    mb = [mb for s in d.plan(0, token_budget=120).steps for mb in s][0]
+    b = d.batch(mb, 0)
+    assert b.teacher_ids.shape == b.teacher_probs.shape == (*b.labels.shape, 3)
+    for r, i in enumerate(mb):
+        seq = store.read(i, teacher=True)
+        for j, a in enumerate(b.anchors[r].tolist()):
+            for k in range(1, 8):
+                if b.weights[r, j * 8 + k] > 0:  # label a + k: the target's top-3 after token a + k - 1
+                    assert b.teacher_ids[r, j * 8 + k].tolist() == seq.teacher_ids[a + k - 1].tolist()
+                    p = np.exp(seq.teacher_logp[a + k - 1])
+                    np.testing.assert_allclose(b.teacher_probs[r, j * 8 + k].numpy(), p / p.sum(), rtol=1e-5)
+    assert data(store).batch(mb, 0).teacher_ids is None  # hard labels: not read
+    plain = make_store(tmp_path / "plain")
+    try:
+        data(plain, teacher=True)
+    except ValueError as e:
+        assert "hold none" in str(e)
+    else:
+        raise AssertionError("a store without the target's top-k was accepted for soft labels")

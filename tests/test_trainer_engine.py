@@ -158,3 +158,24 @@ def test_init_from_an_exported_drafter_starts_from_its_weights(setup, tmp_path):
         init_from_drafter(DFlashDrafter(wider), start)
     with pytest.raises(ValueError, match="holds no config.json"):
         init_from_drafter(DFlashDrafter(other.config), tmp_path / "nowhere")
+
+
+def test_soft_labels_train_and_a_one_hot_teacher_gives_the_hard_label_run(setup, tmp_path):
+    """soft_labels mixes the stores' teacher top-k into the labels: a top-1 teacher (its one token is the label)
+    reproduces the hard-label losses exactly; a top-3 teacher changes them; hard-label stores are refused."""
+    _, target, store = setup
+    common = dict(epochs=1, max_steps=3, checkpoint_every=0, eval_every=0)
+    stores = {}
+    for name, k in (("hard", 0), ("one", 1), ("three", 3)):
+        torch.manual_seed(0)  # the same features in all three stores
+        stores[name] = tiny_store(tmp_path / f"store-{name}", target, n=40, teacher_topk=k).path
+    runs = {}
+    for name, soft in (("hard", 0.0), ("one", 1.0), ("three", 0.5)):
+        st = stores[name]
+        run_training(tmp_path / name, train_kwargs(tmp_path / name, st, target, soft_labels=soft, **common))
+        runs[name] = [m["loss"] for m in metrics(tmp_path / name / "run")]
+    assert len(runs["hard"]) == 3
+    np.testing.assert_allclose(runs["one"], runs["hard"], rtol=1e-6)
+    assert np.abs(np.subtract(runs["three"], runs["hard"])).max() > 1e-4, runs  # near log(V) at the start either way
+    with pytest.raises(ValueError, match="hold none"):
+        train(TrainConfig(**train_kwargs(tmp_path / "bad", store.path, target, soft_labels=0.5, **common)))

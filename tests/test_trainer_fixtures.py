@@ -28,9 +28,11 @@ def tiny_target(folder: Path) -> Path:
     return folder
 
 
-def tiny_store(path: Path, target: Path, n: int = 24, seed: int = 0, *, lengths=(24, 48), layers=STORE_LAYERS, extra=None):
+def tiny_store(path: Path, target: Path, n: int = 24, seed: int = 0, *, lengths=(24, 48), layers=STORE_LAYERS, extra=None,
+               teacher_topk: int = 0):  # fmt: skip
     """Random sequences: a prompt (loss_mask False) then a response whose tokens follow a simple
-    rule (next = prev + 1 mod 60), so a drafter can learn something in a few steps."""
+    rule (next = prev + 1 mod 60), so a drafter can learn something in a few steps. With teacher_topk
+    each token also gets a top-k whose first entry is the next token, as a greedy target's would."""
     rng = np.random.default_rng(seed)
     seqs = []
     for i in range(n):
@@ -44,8 +46,13 @@ def tiny_store(path: Path, target: Path, n: int = 24, seed: int = 0, *, lengths=
         feats = torch.randn(s, len(layers) * H) * 0.5
         feats[:, :H] += torch.nn.functional.one_hot(torch.as_tensor(ids), H).float() * 3  # the token is visible in the features
         seqs.append({"seq_id": f"seq{seed}-{i}", "input_ids": ids, "loss_mask": mask, "features": feats})
+        if teacher_topk:
+            nxt = np.append(ids[1:], ids[-1])
+            others = (nxt[:, None] + 1 + np.arange(teacher_topk - 1)[None, :] * 7) % 60
+            logp = np.log(np.linspace(0.6, 0.05, teacher_topk))[None, :].repeat(s, 0)
+            seqs[-1]["teacher"] = (np.concatenate([nxt[:, None], others], 1), logp)
     manifest = {"target": target_fingerprint(str(target)), "vocab_size": VOCAB, "mask_token_id": MASK, **(extra or {})}
-    return write_store(path, seqs, layer_ids=layers, hidden_size=H, dtype="float32", manifest_extra=manifest)
+    return write_store(path, seqs, layer_ids=layers, hidden_size=H, dtype="float32", manifest_extra=manifest, teacher_topk=teacher_topk)
 
 
 def train_kwargs(tmp: Path, store, target, **over) -> dict:

@@ -76,3 +76,27 @@ def test_predictions_are_the_first_argmax_on_ties(dtype):
     _, stats = block_loss(hidden, torch.eye(6, dtype=dtype), labels, weights, bs, chunk=7)
     assert stats["pos_correct"].tolist() == stats["pos_total"].tolist()
     assert (hidden[0].max(dim=-1).values[:, None] == hidden[0]).sum(-1).gt(1).float().mean() > 0.3
+
+
+@pytest.mark.parametrize("alpha", [0.3, 1.0])
+def test_soft_labels_are_cross_entropy_against_the_mixed_target_distribution(alpha):
+    torch.manual_seed(1)
+    b, n, bs, h, v, k = 2, 3, 4, 8, 50, 5
+    hidden = torch.randn(b, n * bs, h, requires_grad=True)
+    head = torch.randn(v, h)
+    weights = torch.rand(b, n * bs) * (torch.rand(b, n * bs) > 0.3)
+    t_ids = torch.stack([torch.randperm(v)[:k] for _ in range(b * n * bs)]).view(b, n * bs, k)
+    t_probs = torch.softmax(torch.randn(b, n * bs, k), -1)
+    labels = t_ids[..., 0]
+    loss, _ = block_loss(hidden, head, labels, weights, bs, chunk=5, soft=(t_ids, t_probs, alpha))
+    loss.backward()
+    target = (1 - alpha) * F.one_hot(labels, v).float()
+    target = target.scatter_add(-1, t_ids, alpha * t_probs)
+    ref_h = hidden.detach().clone().requires_grad_(True)
+    ce = -(torch.log_softmax(ref_h @ head.T, -1) * target).sum(-1)
+    ref = (ce * weights).sum() / weights.sum()
+    ref.backward()
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(hidden.grad, ref_h.grad)
+    hard, _ = block_loss(hidden.detach(), head, labels, weights, bs, chunk=5)
+    assert not torch.allclose(loss.detach(), hard)  # the soft labels really change the objective

@@ -27,6 +27,8 @@ class Batch:
     weights: torch.Tensor  # [b, N*B]
     tokens: int  # real context tokens
     seq_ids: list
+    teacher_ids: torch.Tensor | None = None  # [b, N*B, k] the target's top-k tokens for each label (soft labels)
+    teacher_probs: torch.Tensor | None = None  # [b, N*B, k] their probabilities, renormalised over the k
 
     @property
     def context_len(self) -> int:
@@ -58,8 +60,16 @@ def collate(samples, block_size: int, mask_token_id: int, gamma: float) -> Batch
     labels = np.zeros((b, n_max, block_size), dtype=np.int64)
     weights = np.zeros((b, n_max, block_size), dtype=np.float32)
     block_ids = np.full((b, n_max, block_size), mask_token_id, dtype=np.int64)
+    soft = getattr(samples[0][0], "teacher_ids", None) is not None
+    if soft:
+        k = samples[0][0].teacher_ids.shape[1]
+        t_ids, t_probs = np.zeros((b, n_max, block_size, k), dtype=np.int64), np.zeros((b, n_max, block_size, k), dtype=np.float32)
     for r, (seq, a) in enumerate(samples):
         s, n = len(seq.input_ids), len(a)
+        if soft:  # label a + j is predicted after token a + j - 1: that row holds the target's top-k for it
+            rows = np.clip(a[:, None] + np.arange(block_size)[None, :] - 1, 0, s - 1)
+            t_ids[r, :n] = seq.teacher_ids[rows]
+            t_probs[r, :n] = _softmax(seq.teacher_logp[rows])
         context[r, :s] = seq.features
         anchors[r, :n] = a
         labels[r, :n], weights[r, :n] = block_labels(seq.input_ids, seq.loss_mask, a, block_size, gamma)
@@ -75,4 +85,13 @@ def collate(samples, block_size: int, mask_token_id: int, gamma: float) -> Batch
         weights=torch.from_numpy(weights.reshape(b, -1)),
         tokens=sum(len(seq.input_ids) for seq, _ in samples),
         seq_ids=[seq.seq_id for seq, _ in samples],
+        teacher_ids=torch.from_numpy(t_ids.reshape(b, n_max * block_size, -1)) if soft else None,
+        teacher_probs=torch.from_numpy(t_probs.reshape(b, n_max * block_size, -1)) if soft else None,
     )
+
+
+def _softmax(logp: np.ndarray) -> np.ndarray:
+    """Renormalise top-k log-probs over the k; rows never captured (-inf) come out uniform (they carry no weight)."""
+    x = np.where(np.isfinite(logp), logp, -1e4)
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return (e / e.sum(axis=-1, keepdims=True)).astype(np.float32)

@@ -66,11 +66,16 @@ class Plan:
 
 class TrainingData:
     def __init__(self, paths, *, layer_ids, block_size: int, num_anchors: int, max_length: int, mask_token_id: int,
-                 gamma: float, seed: int = 0, heldout_fraction: float = 0.0):
+                 gamma: float, seed: int = 0, heldout_fraction: float = 0.0, teacher: bool = False):
         paths = [paths] if isinstance(paths, str) else list(paths)
         if not paths:
             raise ValueError("no feature store given")
         self.readers = [StoreReader(p) for p in paths]
+        self.teacher = teacher  # read the target's top-k next tokens (soft labels)
+        missing = [str(r.path) for r in self.readers if teacher and not r.teacher_topk]
+        if missing:
+            raise ValueError(f"soft labels need the target's top-k in every store; {missing} hold none "
+                             f"(capture with data.store.teacher_topk=8)")  # fmt: skip
         self.layer_ids = list(layer_ids)
         self.block_size, self.num_anchors, self.max_length = block_size, num_anchors, max_length
         self.mask_token_id, self.gamma, self.seed = mask_token_id, gamma, seed
@@ -118,10 +123,12 @@ class TrainingData:
         return Plan(steps, len(microbatches), skipped)
 
     def read(self, i: int):
-        seq = self.readers[self.store_of[i]].read(int(self.local[i]), layers=self.layer_ids)
+        seq = self.readers[self.store_of[i]].read(int(self.local[i]), layers=self.layer_ids, teacher=self.teacher)
         if len(seq.input_ids) > self.max_length:
             m = self.max_length
             seq.input_ids, seq.loss_mask, seq.features = seq.input_ids[:m], seq.loss_mask[:m], seq.features[:m]
+            if self.teacher:
+                seq.teacher_ids, seq.teacher_logp = seq.teacher_ids[:m], seq.teacher_logp[:m]
         return seq
 
     def batch(self, indices, epoch: int) -> Batch:

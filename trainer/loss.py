@@ -7,6 +7,11 @@ a response token or lies past the end of the sequence. loss = sum(w * CE) / sum(
 The logits (rows x vocabulary) are the big tensor here, so the cross entropy runs in chunks of
 rows and only over rows with weight > 0, and its gradient with respect to the hidden states is
 formed chunk by chunk in the forward pass: peak memory is one chunk of logits, not all of them.
+
+Soft labels (`soft`): the label of a row becomes the distribution (1 - a) * onehot(label) + a * p,
+p the target's top-k next-token probabilities there, renormalised over the k; CE against it (a = 0:
+the paper's loss). With greedy responses the label is p's top token, so a moves mass from the one
+token to the target's runners-up.
 """
 
 from __future__ import annotations
@@ -37,10 +42,12 @@ def block_labels(input_ids: np.ndarray, loss_mask: np.ndarray, anchors: np.ndarr
 
 
 class _ChunkedLinearCE(torch.autograd.Function):
-    """sum_i w_i * CE(hidden_i @ head.T, label_i), gradient for `hidden` only (the head is frozen)."""
+    """sum_i w_i * CE(hidden_i @ head.T, target_i), gradient for `hidden` only (the head is frozen).
+
+    target_i is onehot(label_i), or with soft = (ids [n, k], probs [n, k], a) the mix described above."""
 
     @staticmethod
-    def forward(ctx, hidden, head, labels, w, chunk):
+    def forward(ctx, hidden, head, labels, w, chunk, soft=None):
         need_grad = ctx.needs_input_grad[0]
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         preds = torch.empty(len(hidden), dtype=torch.long, device=hidden.device)
@@ -50,10 +57,17 @@ class _ChunkedLinearCE(torch.autograd.Function):
             logits = h @ head.T
             preds[i : i + chunk] = logits.max(dim=-1).indices  # argmax: the same first index, 2.7x faster on bf16 CPU
             logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # one fused pass, fp32 out
-            loss -= (logp.gather(1, y[:, None])[:, 0] * wi).sum()
+            hard = 1.0 - soft[2] if soft else 1.0
+            row_ll = logp.gather(1, y[:, None])[:, 0] * hard
+            if soft:
+                t_ids, t_p = soft[0][i : i + chunk], soft[1][i : i + chunk] * soft[2]
+                row_ll = row_ll + (logp.gather(1, t_ids) * t_p).sum(1)
+            loss -= (row_ll * wi).sum()
             if need_grad:
                 p = logp.exp_()
-                p[torch.arange(len(y), device=p.device), y] -= 1.0
+                p[torch.arange(len(y), device=p.device), y] -= hard
+                if soft:
+                    p.scatter_add_(1, t_ids, -t_p)
                 p.mul_(wi[:, None])
                 grad[i : i + chunk] = (p.to(head.dtype) @ head).to(hidden.dtype)
         ctx.save_for_backward(grad)
@@ -63,11 +77,14 @@ class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, grad_preds):
         (grad,) = ctx.saved_tensors
-        return grad * grad_loss.to(grad.dtype), None, None, None, None
+        return grad * grad_loss.to(grad.dtype), None, None, None, None, None
 
 
-def block_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, block_size: int, chunk: int = 1024):
+def block_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, block_size: int,
+               chunk: int = 1024, soft: tuple | None = None):  # fmt: skip
     """hidden [b, N*B, H], labels/weights [b, N*B] -> (loss, stats).
+
+    soft: None, or (teacher ids [b, N*B, k], teacher probs [b, N*B, k], weight a in (0, 1]).
 
     stats (detached sums, so ranks and steps can be summed before dividing): `weight` sum(w),
     `pos_correct`/`pos_total` [B] per-position hits and valid labels (k >= 1), `accept` sum over
@@ -78,7 +95,10 @@ def block_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Te
     y = labels.reshape(-1)[rows]
     total_w = weights.sum()
     w = weights.reshape(-1)[rows].float() / total_w.clamp_min(1e-12)
-    loss, preds = _ChunkedLinearCE.apply(h, head_weight, y, w, chunk)
+    if soft is not None:
+        k = soft[0].shape[-1]
+        soft = (soft[0].reshape(-1, k)[rows], soft[1].reshape(-1, k)[rows].float(), float(soft[2]))
+    loss, preds = _ChunkedLinearCE.apply(h, head_weight, y, w, chunk, soft)
 
     correct = torch.zeros(weights.numel(), dtype=torch.bool, device=hidden.device)
     correct[rows] = preds == y

@@ -42,6 +42,7 @@ class TrainConfig:
     mask_token_id: int | None = None  # None: the stores' manifest, else chosen from the tokenizer
     num_anchors: int = 512
     gamma: float | None = None  # None: default_gamma(block_size)
+    soft_labels: float = 0.0  # weight of the target's top-k distribution in the labels (0: the paper's hard labels)
     max_length: int = 3072
     token_budget: int = 16384  # padded tokens (context + blocks) per micro-batch
     grad_accum: int = 1
@@ -142,6 +143,8 @@ def train(cfg: TrainConfig) -> dict:
     dtype = resolve_dtype(cfg.dtype, device)
     if dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"train.dtype must be auto, bfloat16 or float32, got {cfg.dtype!r}")
+    if not 0.0 <= cfg.soft_labels <= 1.0:
+        raise ValueError(f"train.soft_labels must be in [0, 1], got {cfg.soft_labels}")
     bf16 = dtype == torch.bfloat16
     attention = cfg.attention if cfg.attention != "auto" else ("flex" if use_cuda else "dense")
     # --- drafter config, checked against the stores before anything trains
@@ -161,7 +164,7 @@ def train(cfg: TrainConfig) -> dict:
     gamma = cfg.gamma if cfg.gamma is not None else default_gamma(cfg.block_size)
     data = TrainingData(stores, layer_ids=layer_ids, block_size=cfg.block_size, num_anchors=cfg.num_anchors,
                         max_length=cfg.max_length, mask_token_id=mask_token_id, gamma=gamma, seed=cfg.seed,
-                        heldout_fraction=cfg.heldout_fraction)
+                        heldout_fraction=cfg.heldout_fraction, teacher=cfg.soft_labels > 0)
     plan_args = dict(token_budget=cfg.token_budget, world_size=world, rank=rank, grad_accum=cfg.grad_accum)
     plans = [data.plan(e, **plan_args) for e in range(cfg.epochs)]
     total_steps = sum(len(p.steps) for p in plans)
@@ -265,7 +268,8 @@ def train(cfg: TrainConfig) -> dict:
                 vec = torch.zeros(2 * cfg.block_size + 2, dtype=torch.float64)
                 for _ in range(cfg.grad_accum):
                     batch = next(loader).to(device, dtype)
-                    loss, stats = forward_loss(engine, head, batch, block_size=cfg.block_size, attention=attention, ce_chunk=cfg.ce_chunk)
+                    loss, stats = forward_loss(engine, head, batch, block_size=cfg.block_size, attention=attention, ce_chunk=cfg.ce_chunk,
+                                               soft_labels=cfg.soft_labels)  # fmt: skip
                     bad = _all_sum(torch.tensor([0.0 if torch.isfinite(loss).item() else 1.0]))
                     if bad.item():
                         raise TrainingDiverged(
