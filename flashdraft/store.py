@@ -103,12 +103,10 @@ class StoreLayout:
 
     def manifest_fields(self) -> dict:
         d = asdict(self)
-        return {
-            "layer_ids": list(self.layer_ids),
-            "hidden_size": self.hidden_size,
-            "dtype": self.dtype,
-            "layout": {k: d[k] for k in ("codec", "clevel", "chunk_tokens", "shard_tokens", "teacher_topk") if k != "teacher_topk" or d[k]},
-        }
+        layout = {k: d[k] for k in ("codec", "clevel", "chunk_tokens", "shard_tokens")}
+        if self.teacher_topk:  # absent when 0, so stores written before the option keep their layout identity
+            layout["teacher_topk"] = self.teacher_topk
+        return {"layer_ids": list(self.layer_ids), "hidden_size": self.hidden_size, "dtype": self.dtype, "layout": layout}
 
     def compressors(self, typesize: int):
         from zarr.codecs import BloscCodec, ZstdCodec

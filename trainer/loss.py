@@ -52,15 +52,16 @@ class _ChunkedLinearCE(torch.autograd.Function):
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         preds = torch.empty(len(hidden), dtype=torch.long, device=hidden.device)
         grad = torch.empty_like(hidden) if need_grad else None
+        hard = 1.0 - soft[2] if soft else 1.0  # the one-hot label's share of the target
+        t_ids_all, t_p_all = (soft[0], soft[1] * soft[2]) if soft else (None, None)
         for i in range(0, len(hidden), chunk):
             h, y, wi = hidden[i : i + chunk], labels[i : i + chunk], w[i : i + chunk]
             logits = h @ head.T
             preds[i : i + chunk] = logits.max(dim=-1).indices  # argmax: the same first index, 2.7x faster on bf16 CPU
             logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # one fused pass, fp32 out
-            hard = 1.0 - soft[2] if soft else 1.0
             row_ll = logp.gather(1, y[:, None])[:, 0] * hard
             if soft:
-                t_ids, t_p = soft[0][i : i + chunk], soft[1][i : i + chunk] * soft[2]
+                t_ids, t_p = t_ids_all[i : i + chunk], t_p_all[i : i + chunk]
                 row_ll = row_ll + (logp.gather(1, t_ids) * t_p).sum(1)
             loss -= (row_ll * wi).sum()
             if need_grad:
