@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from trainer.anchors import count_valid_anchors, draw_anchors, valid_anchor_positions
+from trainer.anchors import count_valid_anchors, draw_anchors, hard_start_weights, valid_anchor_positions
 
 
 def response_mask(s, prompt_len):
@@ -48,3 +48,30 @@ def test_draws_cover_the_valid_positions_uniformly():
     assert hits.sum() == hits[valid].sum()
     expected = 400 * 20 / len(valid)
     assert np.abs(hits[valid] - expected).max() < 0.5 * expected
+
+
+def test_hard_start_weights_follow_the_targets_uncertainty():
+    top1 = np.array([0.9, 0.5, 0.99, 0.2, 0.9])  # P(top token) after tokens 0..4
+    logp = np.log(np.stack([top1, np.full(5, 0.01)], axis=1))
+    hard = np.array([1.0, 0.1, 0.5, 0.01, 0.8])  # position 0 has no producer: as hard as it gets
+    np.testing.assert_allclose(hard_start_weights(logp, 0.0), hard / hard.mean())
+    np.testing.assert_allclose(hard_start_weights(logp, 1.0), np.ones(5))
+    np.testing.assert_allclose(hard_start_weights(logp, 0.5), 0.5 + 0.5 * hard / hard.mean())
+    with pytest.raises(ValueError, match="uniform_share"):
+        hard_start_weights(logp, 1.5)
+
+
+def test_weighted_draws_follow_the_weights_and_stay_deterministic():
+    mask = response_mask(200, 20)
+    weights = np.where(np.arange(200) % 4 == 0, 3.0, 1.0)  # every fourth position three times as likely
+    hits = np.zeros(200)
+    for epoch in range(400):
+        a = draw_anchors(mask, 16, 20, seed=0, epoch=epoch, seq_id="w", weights=weights)
+        np.testing.assert_array_equal(a, draw_anchors(mask, 16, 20, seed=0, epoch=epoch, seq_id="w", weights=weights))
+        assert len(set(a.tolist())) == 20 and ((a <= 200 - 16) & mask[a + 1]).all()
+        hits[a] += 1
+    valid = valid_anchor_positions(mask, 16)
+    heavy, light = valid[valid % 4 == 0], valid[valid % 4 != 0]
+    assert 2.0 < hits[heavy].mean() / hits[light].mean() < 3.5  # below 3: drawn without replacement
+    zero = np.where(np.arange(200) % 2 == 0, 1.0, 0.0)  # enough even positions for every draw: odd ones never
+    assert (draw_anchors(mask, 16, 20, seed=1, epoch=0, seq_id="z", weights=zero) % 2 == 0).all()

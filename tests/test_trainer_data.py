@@ -103,3 +103,28 @@ def test_soft_label_rows_are_the_targets_topk_after_the_previous_token(tmp_path)
     plain = make_store(tmp_path / "plain")
     with pytest.raises(ValueError, match="hold none"):  # a store without the target's top-k is refused for soft labels
         data(plain, teacher=True)
+
+
+def test_weighted_anchors_are_the_ones_draw_anchors_picks_from_the_targets_uncertainty(tmp_path):
+    from trainer.anchors import draw_anchors, hard_start_weights
+
+    store = make_store(tmp_path / "s", teacher_topk=3)
+    d = data(store, num_anchors=2, anchor_uniform_share=0.0)  # hard labels, weighted anchors: the top-k is read
+    mbs = [mb for s in d.plan(0, token_budget=120).steps for mb in s]
+    differ = 0
+    for mb in mbs:
+        b = d.batch(mb, 0)
+        assert b.teacher_ids is not None
+        for r, i in enumerate(mb):
+            seq = store.read(i, teacher=True)
+            mask = seq.loss_mask[:30]
+            want = draw_anchors(mask, 8, 2, seed=0, epoch=0, seq_id=seq.seq_id,
+                                weights=hard_start_weights(seq.teacher_logp[:30], 0.0))  # fmt: skip
+            got = b.anchors[r][b.weights[r].view(-1, 8).sum(-1) > 0].numpy()
+            np.testing.assert_array_equal(got, want)
+            differ += not np.array_equal(want, draw_anchors(mask, 8, 2, seed=0, epoch=0, seq_id=seq.seq_id))
+    assert differ > 0  # the weights moved some draws away from the uniform ones
+    with pytest.raises(ValueError, match="hold none"):
+        data(make_store(tmp_path / "plain"), anchor_uniform_share=0.5)
+    with pytest.raises(ValueError, match="anchor_uniform_share"):
+        data(store, anchor_uniform_share=-0.1)

@@ -24,7 +24,7 @@ import numpy as np
 
 from flashdraft.prompts import hash_fraction
 from flashdraft.store import StoreReader
-from trainer.anchors import draw_anchors, stable_seed
+from trainer.anchors import draw_anchors, hard_start_weights, stable_seed
 from trainer.batch import Batch, collate
 
 SORT_WINDOW = 64
@@ -66,16 +66,20 @@ class Plan:
 
 class TrainingData:
     def __init__(self, paths, *, layer_ids, block_size: int, num_anchors: int, max_length: int, mask_token_id: int,
-                 gamma: float, seed: int = 0, heldout_fraction: float = 0.0, teacher: bool = False):
+                 gamma: float, seed: int = 0, heldout_fraction: float = 0.0, teacher: bool = False,
+                 anchor_uniform_share: float = 1.0):
         paths = [paths] if isinstance(paths, str) else list(paths)
         if not paths:
             raise ValueError("no feature store given")
         self.readers = [StoreReader(p) for p in paths]
-        self.teacher = teacher  # read the target's top-k next tokens (soft labels)
-        missing = [str(r.path) for r in self.readers if teacher and not r.teacher_topk]
+        if not 0.0 <= anchor_uniform_share <= 1.0:
+            raise ValueError(f"anchor_uniform_share must be in [0, 1], got {anchor_uniform_share}")
+        self.anchor_uniform_share = anchor_uniform_share  # < 1: anchors drawn toward the target's uncertain tokens
+        self.teacher = teacher or anchor_uniform_share < 1.0  # read the target's top-k next tokens
+        missing = [str(r.path) for r in self.readers if self.teacher and not r.teacher_topk]
         if missing:
-            raise ValueError(f"soft labels need the target's top-k in every store; {missing} hold none "
-                             f"(capture with data.store.teacher_topk=8)")  # fmt: skip
+            raise ValueError(f"soft labels and weighted anchors need the target's top-k in every store; {missing} hold "
+                             f"none (capture with data.store.teacher_topk=8)")  # fmt: skip
         self.layer_ids = list(layer_ids)
         self.block_size, self.num_anchors, self.max_length = block_size, num_anchors, max_length
         self.mask_token_id, self.gamma, self.seed = mask_token_id, gamma, seed
@@ -135,7 +139,9 @@ class TrainingData:
         samples = []
         for i in indices:
             seq = self.read(i)
-            a = draw_anchors(seq.loss_mask, self.block_size, self.num_anchors, seed=self.seed, epoch=epoch, seq_id=seq.seq_id)
+            w = hard_start_weights(seq.teacher_logp, self.anchor_uniform_share) if self.anchor_uniform_share < 1.0 else None
+            a = draw_anchors(seq.loss_mask, self.block_size, self.num_anchors, seed=self.seed, epoch=epoch, seq_id=seq.seq_id,
+                             weights=w)  # fmt: skip
             samples.append((seq, a))
         return collate(samples, self.block_size, self.mask_token_id, self.gamma)
 

@@ -41,6 +41,7 @@ class TrainConfig:
     init: str = "random"  # random | target (draft layers start as the target's top layers) | a drafter folder
     mask_token_id: int | None = None  # None: the stores' manifest, else chosen from the tokenizer
     num_anchors: int = 512
+    anchor_uniform_share: float = 1.0  # < 1: draw the rest of the anchors toward the target's uncertain tokens
     gamma: float | None = None  # None: default_gamma(block_size)
     soft_labels: float = 0.0  # weight of the target's top-k distribution in the labels (0: the paper's hard labels)
     max_length: int = 3072
@@ -164,7 +165,8 @@ def train(cfg: TrainConfig) -> dict:
     gamma = cfg.gamma if cfg.gamma is not None else default_gamma(cfg.block_size)
     data = TrainingData(stores, layer_ids=layer_ids, block_size=cfg.block_size, num_anchors=cfg.num_anchors,
                         max_length=cfg.max_length, mask_token_id=mask_token_id, gamma=gamma, seed=cfg.seed,
-                        heldout_fraction=cfg.heldout_fraction, teacher=cfg.soft_labels > 0)
+                        heldout_fraction=cfg.heldout_fraction, teacher=cfg.soft_labels > 0,
+                        anchor_uniform_share=cfg.anchor_uniform_share)
     plan_args = dict(token_budget=cfg.token_budget, world_size=world, rank=rank, grad_accum=cfg.grad_accum)
     plans = [data.plan(e, **plan_args) for e in range(cfg.epochs)]
     total_steps = sum(len(p.steps) for p in plans)
