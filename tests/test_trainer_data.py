@@ -109,12 +109,13 @@ def test_weighted_anchors_are_the_ones_draw_anchors_picks_from_the_targets_uncer
     from trainer.anchors import draw_anchors, hard_start_weights
 
     store = make_store(tmp_path / "s", teacher_topk=3)
-    d = data(store, num_anchors=2, anchor_uniform_share=0.0)  # hard labels, weighted anchors: the top-k is read
+    d = data(store, num_anchors=2, anchor_uniform_share=0.0)  # hard labels, weighted anchors
     mbs = [mb for s in d.plan(0, token_budget=120).steps for mb in s]
     differ = 0
     for mb in mbs:
         b = d.batch(mb, 0)
-        assert b.teacher_ids is not None
+        assert b.teacher_ids is None  # hard labels: the top-k weighs the anchors, no soft-label tensors are built
+        assert data(store, num_anchors=2, anchor_uniform_share=0.0, teacher=True).batch(mb, 0).teacher_ids is not None
         for r, i in enumerate(mb):
             seq = store.read(i, teacher=True)
             mask = seq.loss_mask[:30]

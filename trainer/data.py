@@ -75,6 +75,7 @@ class TrainingData:
         if not 0.0 <= anchor_uniform_share <= 1.0:
             raise ValueError(f"anchor_uniform_share must be in [0, 1], got {anchor_uniform_share}")
         self.anchor_uniform_share = anchor_uniform_share  # < 1: anchors drawn toward the target's uncertain tokens
+        self.soft_labels = teacher  # hand the target's top-k to the batches as labels
         self.teacher = teacher or anchor_uniform_share < 1.0  # read the target's top-k next tokens
         missing = [str(r.path) for r in self.readers if self.teacher and not r.teacher_topk]
         if missing:
@@ -142,6 +143,8 @@ class TrainingData:
             w = hard_start_weights(seq.teacher_logp, self.anchor_uniform_share) if self.anchor_uniform_share < 1.0 else None
             a = draw_anchors(seq.loss_mask, self.block_size, self.num_anchors, seed=self.seed, epoch=epoch, seq_id=seq.seq_id,
                              weights=w)  # fmt: skip
+            if not self.soft_labels:  # read only for the anchor weights: not collated into label tensors
+                seq.teacher_ids = seq.teacher_logp = None
             samples.append((seq, a))
         return collate(samples, self.block_size, self.mask_token_id, self.gamma)
 
