@@ -53,7 +53,7 @@ def test_profiles_compose_for_every_stage(name):
     cfg = profile(name)
     tc = train_config(cfg)
     assert tc.init == "target" and tc.block_size == 8 and tc.dtype == "auto"
-    assert (tc.num_anchors, tc.lr) == ((32, 6e-4) if name == "quick" else (16, 2e-3))
+    assert (tc.num_anchors, tc.lr) == (16, 2e-3)
     assert tc.stores == [f"{run}/features"] and tc.eval_stores == [f"{run}/features-heldout"]
     assert cfg.eval.metrics == f"{run}/train/metrics.jsonl" and cfg.data.split == "train"
     held = profile(name, data="heldout")
