@@ -129,3 +129,17 @@ def test_weighted_anchors_are_the_ones_draw_anchors_picks_from_the_targets_uncer
         data(make_store(tmp_path / "plain"), anchor_uniform_share=0.5)
     with pytest.raises(ValueError, match="anchor_uniform_share"):
         data(store, anchor_uniform_share=-0.1)
+
+
+def test_frequent_tokens_count_the_response_tokens_of_the_training_split(tmp_path):
+    store = make_store(tmp_path / "s")
+    d = data(store)
+    counts = np.zeros(50, np.int64)
+    for i in range(len(store)):
+        if not d.heldout[i]:
+            seq = store.read(i)
+            np.add.at(counts, seq.input_ids[:30][seq.loss_mask[:30]], 1)
+    words = d.frequent_tokens(10, 50)
+    assert len(words) == 10 and (np.diff(words) > 0).all()
+    assert counts[words].min() >= np.delete(counts, words).max()  # no word left out is more frequent
+    assert set(d.frequent_tokens(50, 50).tolist()) == set(range(50))

@@ -100,3 +100,39 @@ def test_soft_labels_are_cross_entropy_against_the_mixed_target_distribution(alp
     torch.testing.assert_close(hidden.grad, ref_h.grad)
     hard, _ = block_loss(hidden.detach(), head, labels, weights, bs, chunk=5)
     assert not torch.allclose(loss.detach(), hard)  # the soft labels really change the objective
+
+
+@pytest.mark.parametrize("alpha", [None, 0.5])
+def test_a_loss_vocabulary_is_the_softmax_over_its_words_and_the_batch_labels(alpha):
+    torch.manual_seed(2)
+    b, n, bs, h, v, k = 2, 3, 4, 8, 60, 3
+    hidden = torch.randn(b, n * bs, h, requires_grad=True)
+    head = torch.randn(v, h)
+    labels = torch.randint(0, v, (b, n * bs))
+    weights = torch.rand(b, n * bs) * (torch.rand(b, n * bs) > 0.3)
+    t_ids, t_probs = torch.randint(0, v, (b, n * bs, k)), torch.softmax(torch.randn(b, n * bs, k), -1)
+    soft = (t_ids, t_probs, alpha) if alpha else None
+    vocab = torch.tensor([1, 4, 7, 9, 20])
+    loss, stats = block_loss(hidden, head, labels, weights, bs, chunk=5, soft=soft, vocab=vocab)
+    loss.backward()
+    rows = weights.view(-1) > 0
+    words = set(vocab.tolist()) | set(labels.view(-1)[rows].tolist())
+    if alpha:
+        words |= set(t_ids.view(-1, k)[rows].view(-1).tolist())
+    assert len(words) < v  # the softmax really leaves words out
+    keep = torch.tensor(sorted(words))
+    ref_h = hidden.detach().clone().requires_grad_(True)
+    logits = torch.full((b, n * bs, v), float("-inf"))
+    logits[..., keep] = (ref_h @ head.T)[..., keep]
+    target = F.one_hot(labels, v).float() * (1 - (alpha or 0.0))
+    if alpha:
+        target = target.scatter_add(-1, t_ids, alpha * t_probs)
+    ce = -(torch.log_softmax(logits, -1).clamp_min(-1e30) * target).sum(-1)
+    ref = (ce * weights).sum() / weights.sum()
+    ref.backward()
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(hidden.grad, ref_h.grad)
+    full, _ = block_loss(hidden.detach(), head, labels, weights, bs, chunk=5, soft=soft)
+    assert loss.detach() < full  # the words left out no longer share the probability mass
+    preds = logits.argmax(-1).view(-1)[rows]
+    assert stats["pos_correct"].sum() == (preds == labels.view(-1)[rows]).sum()

@@ -127,6 +127,15 @@ class TrainingData:
                  for t in range(num_steps)]
         return Plan(steps, len(microbatches), skipped)
 
+    def frequent_tokens(self, k: int, vocab_size: int) -> np.ndarray:
+        """The k most frequent response tokens of the training split (ties to the lower id), sorted by id."""
+        counts = np.zeros(vocab_size, dtype=np.int64)
+        heldout = {s for s, h in zip(self.seq_ids, self.heldout) if h}
+        for reader in self.readers:
+            for ids, mask in reader.token_sequences(skip=heldout):
+                np.add.at(counts, ids[: self.max_length][mask[: self.max_length]], 1)
+        return np.sort(np.argsort(-counts, kind="stable")[:k])
+
     def read(self, i: int):
         seq = self.readers[self.store_of[i]].read(int(self.local[i]), layers=self.layer_ids, teacher=self.teacher)
         if len(seq.input_ids) > self.max_length:

@@ -25,13 +25,15 @@ def draft_hidden(drafter, head, batch: Batch, mask) -> torch.Tensor:
 
 
 def forward_loss(drafter, head, batch: Batch, *, block_size: int, attention: str = "dense", ce_chunk: int = 1024,
-                 soft_labels: float = 0.0):  # fmt: skip
+                 soft_labels: float = 0.0, vocab: torch.Tensor | None = None):  # fmt: skip
     """(loss, stats) for one micro-batch already on the drafter's device; soft_labels > 0 mixes the
-    target's top-k distribution into the labels (the batch must carry it)."""
+    target's top-k distribution into the labels (the batch must carry it); vocab: the loss vocabulary
+    (`block_loss`)."""
     hidden = draft_hidden(drafter, head, batch, attention_mask(batch, block_size, attention))
     soft = None
     if soft_labels > 0:
         if batch.teacher_ids is None:
             raise ValueError("soft_labels > 0 needs feature stores captured with data.store.teacher_topk > 0")
         soft = (batch.teacher_ids, batch.teacher_probs, soft_labels)
-    return block_loss(hidden, head.lm_head.weight, batch.labels, batch.weights, block_size, chunk=ce_chunk, soft=soft)
+    return block_loss(hidden, head.lm_head.weight, batch.labels, batch.weights, block_size, chunk=ce_chunk, soft=soft,
+                      vocab=vocab)

@@ -44,6 +44,7 @@ class TrainConfig:
     anchor_uniform_share: float = 1.0  # < 1: draw the rest of the anchors toward the target's uncertain tokens
     gamma: float | None = None  # None: default_gamma(block_size)
     soft_labels: float = 0.0  # weight of the target's top-k distribution in the labels (0: the paper's hard labels)
+    loss_vocab: int = 0  # > 0: the training softmax over the k most frequent response tokens (+ the batch's labels); eval uses all
     max_length: int = 3072
     token_budget: int = 16384  # padded tokens (context + blocks) per micro-batch
     grad_accum: int = 1
@@ -146,6 +147,8 @@ def train(cfg: TrainConfig) -> dict:
         raise ValueError(f"train.dtype must be auto, bfloat16 or float32, got {cfg.dtype!r}")
     if not 0.0 <= cfg.soft_labels <= 1.0:
         raise ValueError(f"train.soft_labels must be in [0, 1], got {cfg.soft_labels}")
+    if cfg.loss_vocab < 0:
+        raise ValueError(f"train.loss_vocab must be 0 (the whole vocabulary) or a number of words, got {cfg.loss_vocab}")
     bf16 = dtype == torch.bfloat16
     attention = cfg.attention if cfg.attention != "auto" else ("flex" if use_cuda else "dense")
     # --- drafter config, checked against the stores before anything trains
@@ -201,6 +204,9 @@ def train(cfg: TrainConfig) -> dict:
     elif cfg.init != "random":
         init_from_drafter(drafter, cfg.init)
     head = load_frozen_head(cfg.target, dtype=dtype).to(device)
+    vocab = None
+    if 0 < cfg.loss_vocab < tc.vocab_size:
+        vocab = torch.from_numpy(data.frequent_tokens(cfg.loss_vocab, tc.vocab_size)).to(device)
     engine, scheduler = build_engine(
         drafter, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas,
         warmup_steps=math.ceil(cfg.warmup_ratio * total_steps), total_steps=total_steps,
@@ -271,7 +277,7 @@ def train(cfg: TrainConfig) -> dict:
                 for _ in range(cfg.grad_accum):
                     batch = next(loader).to(device, dtype)
                     loss, stats = forward_loss(engine, head, batch, block_size=cfg.block_size, attention=attention, ce_chunk=cfg.ce_chunk,
-                                               soft_labels=cfg.soft_labels)  # fmt: skip
+                                               soft_labels=cfg.soft_labels, vocab=vocab)  # fmt: skip
                     bad = _all_sum(torch.tensor([0.0 if torch.isfinite(loss).item() else 1.0]))
                     if bad.item():
                         raise TrainingDiverged(
