@@ -136,3 +136,6 @@ def test_a_loss_vocabulary_is_the_softmax_over_its_words_and_the_batch_labels(al
     assert loss.detach() < full  # the words left out no longer share the probability mass
     preds = logits.argmax(-1).view(-1)[rows]
     assert stats["pos_correct"].sum() == (preds == labels.view(-1)[rows]).sum()
+    # hidden states that point at their labels: every prediction is right, in the target's word ids
+    _, stats = block_loss(F.one_hot(labels, v).float() * 5, torch.eye(v), labels, weights, bs, soft=soft, vocab=vocab)
+    assert stats["pos_correct"].tolist() == stats["pos_total"].tolist() and stats["pos_total"].sum() > 0
