@@ -133,7 +133,7 @@ class TrainingData:
         heldout = {s for s, h in zip(self.seq_ids, self.heldout) if h}
         for reader in self.readers:
             for ids, mask in reader.token_sequences(skip=heldout):
-                np.add.at(counts, ids[: self.max_length][mask[: self.max_length]], 1)
+                counts += np.bincount(ids[: self.max_length][mask[: self.max_length]], minlength=vocab_size)
         return np.sort(np.argsort(-counts, kind="stable")[:k])
 
     def read(self, i: int):
