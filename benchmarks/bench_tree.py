@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/bench_tree.py --drafter runs/full-smollm2-135m/drafter
         --store runs/full-smollm2-135m/features [--sequences 60] [--max-new-tokens 256]
         [--trees 3x2 7x2 7x4 11x4 15x4 15x8] [--cutoffs 0 0.1] [--lookups 2 3] [--datastores 4:2 6:2]
+        [--draft-vocabs 0 8192]
 
 Part 1 replays the served greedy rounds offline (`harness/replay.py`) on `--sequences` stored responses
 of `--store`, for a chain (each cutoff), for each tree (size x branching) and for `dflash_lookup` with the
@@ -16,6 +17,8 @@ verified on average, or a tree of that size from real draft logits), interleaved
 rows verified, the round cost in plain steps and the speedup it predicts (tau x plain step / round; for lookup
 settings the mean over its tree rounds, draft + tree verify, and its lookup rounds, a chain verify of the mean
 lookup rows and no draft).
+With `--draft-vocabs`, every setting is replayed and the draft timed for each draft vocabulary (0: all words; K: the
+K most frequent response tokens of `--datastore-store`, `flashdraft.vocab`, the replayed sequences left out).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from transformers import DynamicCache
 
 from flashdraft.model import DFlashDrafter
 from flashdraft.store import StoreReader
+from flashdraft.vocab import frequent_tokens
 from flashdraft.target import frozen_head_from_model, load_target, make_verification_exact, needs_exact_verification, resolve_dtype
 from harness.datastore import Datastore
 from harness.replay import replay_acceptance
@@ -48,6 +52,7 @@ def main() -> None:
     ap.add_argument("--lookup-tokens", type=int, default=10)
     ap.add_argument("--datastores", nargs="*", default=[], help="dflash_datastore settings, n-gram:min_count or n-gram-min_ngram:min_count (with the first tree and last lookup)")
     ap.add_argument("--datastore-store", default=None, help="the store the datastore is built from (default: --store)")
+    ap.add_argument("--draft-vocabs", type=int, nargs="+", default=[0], help="draft vocabulary sizes (0: all words)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--repeats", type=int, default=15)
     args = ap.parse_args()
@@ -56,9 +61,13 @@ def main() -> None:
     if needs_exact_verification(dtype, "cpu"):
         make_verification_exact(target)
     drafter = DFlashDrafter.from_pretrained(args.drafter, dtype=dtype)
-    proposer = DrafterProposer(drafter, frozen_head_from_model(target))
     store = StoreReader(args.store)
     seq_ids = store.seq_ids[:: max(1, len(store.seq_ids) // args.sequences)][: args.sequences]
+    head, vocab_size = frozen_head_from_model(target), target.config.vocab_size
+    vocab_store = StoreReader(args.datastore_store or args.store)
+    proposers = {k: DrafterProposer(drafter, head, frequent_tokens(vocab_store.token_sequences(skip=seq_ids), k, vocab_size) if k else None)
+                 for k in args.draft_vocabs}  # fmt: skip
+    proposer = proposers[args.draft_vocabs[0]]
     trees = [tuple(int(x) for x in t.split("x")) for t in args.trees]
     # (kind, cutoff, tree size, branching, lookup n-gram, datastore "n-gram:min_count" or "")
     settings = [("chain", c, 0, 0, 0, "") for c in args.cutoffs] + [("tree", 0.0, n, b, 0, "") for n, b in trees]
@@ -74,22 +83,25 @@ def main() -> None:
               f"({datastores[d].excluded} replayed ones left out)", flush=True)
 
     taus, rows_verified, lookup_share = {}, {}, {}
-    for setting in settings + lookup_settings:
+    for (vocab, vocab_proposer), setting in ((p, s) for p in proposers.items() for s in settings + lookup_settings):
         kind, cutoff, size, branching, ngram, datastore = setting
         lengths, verified, lookups = [], [], []
         for s in seq_ids:
-            lengths += replay_acceptance(proposer, store, s, max_new_tokens=args.max_new_tokens, draft_cutoff=cutoff,
+            lengths += replay_acceptance(vocab_proposer, store, s, max_new_tokens=args.max_new_tokens, draft_cutoff=cutoff,
                                          tree_size=size, tree_branching=branching, lookup_ngram=ngram,
                                          lookup_tokens=args.lookup_tokens, datastore=datastores.get(datastore),
                                          verified=verified, lookups=lookups)  # fmt: skip
-        taus[setting] = sum(lengths) / len(lengths)
+        taus[vocab, setting] = sum(lengths) / len(lengths)
+        looked = [v for v, k in zip(verified, lookups) if k]
+        lookup_share[vocab, setting] = len(looked) / len(lookups) if kind == "lookup" else 0.0
+        if vocab != args.draft_vocabs[0]:  # the verify shapes timed are the first vocabulary's
+            print(f"replayed {setting} with draft vocabulary {vocab or 'all'}: tau {taus[vocab, setting]:.3f}", flush=True)
+            continue
         if kind == "lookup":
-            looked = [v for v, k in zip(verified, lookups) if k]
-            lookup_share[setting] = len(looked) / len(lookups)
             rows_verified[setting] = 1 + round(sum(looked) / max(len(looked), 1))  # its lookup rounds' verify rows
         else:
             rows_verified[setting] = 1 + round(sum(verified) / len(verified))  # a verify forward's rows, typically
-        print(f"replayed {setting}: tau {taus[setting]:.3f}, {sum(verified) / len(verified):.2f} drafts verified a round", flush=True)
+        print(f"replayed {setting}: tau {taus[vocab, setting]:.3f}, {sum(verified) / len(verified):.2f} drafts verified a round", flush=True)
 
     # Verify cost: real draft logits at a real context, a cache of ~300 tokens.
     seq = max((store.read(store.index(s), layers=proposer.layer_ids) for s in seq_ids[:10]), key=lambda q: len(q.input_ids))
@@ -99,7 +111,7 @@ def main() -> None:
     block = torch.full((1, drafter.block_size), drafter.mask_token_id)
     block[0, 0] = ids[0, start]
     with torch.inference_mode():
-        def draft(timed=False):  # as a served round drafts: the cache holds the context but its newest 2 tokens
+        def draft(timed=False, proposer=proposer):  # as a served round drafts: the cache holds the context but its newest 2 tokens
             proposer.start()
             proposer(block, features[:, : start - 2], start - 2)
             t0 = time.perf_counter()
@@ -123,31 +135,31 @@ def main() -> None:
             target(tokens, cache=cache, use_cache=True, output_hidden_states=True, **kw)
             return time.perf_counter() - t0
 
-        times = {"plain": [], "draft": [], **{s: [] for s, _ in shapes}}
+        times = {"plain": [], **{("draft", k): [] for k in proposers}, **{s: [] for s, _ in shapes}}
         for repeat in range(args.repeats + 1):  # the first pass warms up and is dropped
             times["plain"].append(verify(("chain", 0, 0, 0, 0, ""), 1))
-            times["draft"].append(draft(timed=True))
+            for k, p in proposers.items():
+                times["draft", k].append(draft(timed=True, proposer=p))
             for setting, rows in shapes:
                 times[setting].append(verify(setting, rows))
     ms = {k: 1000 * statistics.median(v[1:]) for k, v in times.items()}
     print(f"\nSmolLM2-135M {str(dtype).removeprefix('torch.')} ({target.config._attn_implementation}), drafter {args.drafter} "
           f"(block {drafter.block_size}), replay on {len(seq_ids)} responses of {args.store} (<= {args.max_new_tokens} tokens), "
           f"cache {start} tokens, {torch.get_num_threads()} threads, medians of {args.repeats}")
-    print(f"plain step {ms['plain']:.1f} ms, draft {ms['draft']:.1f} ms")
-    print("setting                          replay tau  rows  verify ms  round/plain step  predicted speedup")
-    for setting in settings:
-        kind, cutoff, size, branching, _, _ = setting
-        name = f"chain cutoff {cutoff:g}" if kind == "chain" else f"tree {size}x{branching}"
-        round_ms = ms["draft"] + ms[setting]
-        print(f"{name:32s} {taus[setting]:10.3f}  {rows_verified[setting]:4d}  {ms[setting]:9.1f}  {round_ms / ms['plain']:16.2f}  "
-              f"{taus[setting] * ms['plain'] / round_ms:16.2f}x")
-    for setting in lookup_settings:  # timed as a chain of its lookup rounds' rows; its other rounds are the tree's
-        _, _, size, branching, ngram, datastore = setting
-        share, tree = lookup_share[setting], ("tree", 0.0, size, branching, 0, "")
-        round_ms = share * ms[setting] + (1 - share) * (ms["draft"] + ms[tree])
-        name = f"lookup {ngram}{' + datastore ' + datastore if datastore else ''} + tree {size}x{branching}"
-        print(f"{name:32s} {taus[setting]:10.3f}  {rows_verified[setting]:4d}  {ms[setting]:9.1f}  {round_ms / ms['plain']:16.2f}  "
-              f"{taus[setting] * ms['plain'] / round_ms:16.2f}x  ({100 * share:.0f}% lookup rounds; rows and verify ms: theirs)")
+    drafts = ", ".join(f"{ms['draft', k]:.1f} ms ({f'{k} words' if k else 'all words'})" for k in proposers)
+    print(f"plain step {ms['plain']:.1f} ms, draft {drafts}")
+    print("setting                          vocab   replay tau  rows  verify ms  round/plain step  predicted speedup")
+    for vocab in proposers:  # lookup rounds are timed as a chain of their rows; their other rounds are the tree's
+        for setting in settings + lookup_settings:
+            kind, cutoff, size, branching, ngram, datastore = setting
+            name = {"chain": f"chain cutoff {cutoff:g}", "tree": f"tree {size}x{branching}"}.get(
+                kind, f"lookup {ngram}{' + datastore ' + datastore if datastore else ''} + tree {size}x{branching}")
+            share = lookup_share[vocab, setting]
+            tree = setting if kind != "lookup" else ("tree", 0.0, size, branching, 0, "")
+            round_ms = share * ms[setting] + (1 - share) * (ms["draft", vocab] + ms[tree])
+            note = f"  ({100 * share:.0f}% lookup rounds; rows and verify ms: theirs)" if kind == "lookup" else ""
+            print(f"{name:32s} {vocab or 'all':>5}  {taus[vocab, setting]:10.3f}  {rows_verified[setting]:4d}  {ms[setting]:9.1f}  "
+                  f"{round_ms / ms['plain']:16.2f}  {taus[vocab, setting] * ms['plain'] / round_ms:16.2f}x{note}")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ from flashdraft.target import (
     stop_token_ids,
     target_fingerprint,
 )
+from flashdraft.store import StoreReader
+from flashdraft.vocab import frequent_tokens
 from harness.datastore import Datastore
 from harness.evaluate import (
     DRAFTER_METHODS,
@@ -86,14 +88,15 @@ def add_pictures_and_parity(report: dict, records: list[dict], out_dir: Path, me
     report["pictures"], report["train_serve_parity"] = pictures, parity
 
 
-def run_key(settings: DecodeSettings, methods, drafter_name, drafter_dir, fingerprint: dict, dtype, device, datastore=None) -> str:
+def run_key(settings: DecodeSettings, methods, drafter_name, drafter_dir, fingerprint: dict, dtype, device, datastore=None,
+            draft_vocab=None) -> str:
     """What a finished prompt's measurement depends on: an interrupted eval resumes only under the same key."""
     weights = Path(drafter_dir, "model.safetensors") if drafter_dir else None
     identity = {
         "settings": asdict(settings), "methods": list(methods), "drafter": drafter_name,
         "drafter_weights": [weights.stat().st_size, weights.stat().st_mtime_ns] if weights and weights.is_file() else None,
         "target": fingerprint, "dtype": str(dtype), "device": str(device), "threads": torch.get_num_threads(),
-        "datastore": datastore,
+        "datastore": datastore, "draft_vocab": draft_vocab,
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -135,6 +138,16 @@ def run(cfg: DictConfig) -> dict:
         tokenizer, OmegaConf.to_object(e.prompts) if OmegaConf.is_config(e.prompts) else e.prompts,
         split=e.split, limit=e.limit, system_prompt=m.chat.system_prompt, enable_thinking=m.chat.enable_thinking,
     )
+    draft_vocab_info, k, vocab_store = None, int(e.get("draft_vocab") or 0), e.get("draft_vocab_store")
+    if proposer is not None and k and not (vocab_store and Path(vocab_store, "manifest.json").is_file()):
+        print(f"draft vocabulary: no feature store at {str(vocab_store)!r} (eval.draft_vocab_store) to count it in: drafts score "
+              "all words (eval.draft_vocab=0 says so quietly)", file=sys.stderr)
+    elif proposer is not None and k:
+        words = frequent_tokens(StoreReader(vocab_store).token_sequences(skip=[p.seq_id for p in prompts]),  # never their own responses
+                                min(k, target.config.vocab_size), target.config.vocab_size)  # fmt: skip
+        proposer = DrafterProposer(proposer.drafter, proposer.head, draft_vocab=words)
+        draft_vocab_info = {"words": len(words), "store": str(vocab_store)}
+        print(f"draft vocabulary: the {len(words):,} most frequent response tokens of {vocab_store} (eval prompts' sequences left out)")
     datastore, datastore_info = None, None
     if "dflash_datastore" in methods and e.temperature == 0:  # (greedy only: evaluate refuses it by name otherwise)
         datastore = Datastore.from_store(e.get("datastore"), exclude=[p.seq_id for p in prompts],  # never their own responses
@@ -149,7 +162,7 @@ def run(cfg: DictConfig) -> dict:
     log_path = out_dir / "runs.jsonl"
     fingerprint = target_fingerprint(m.target)
     key = run_key(settings, methods, drafter_path, e.drafter if proposer and not untrained else None, fingerprint, dtype, device,
-                  datastore_info)
+                  datastore_info, draft_vocab_info)
     done = {}
     if e.get("resume", True):
         done = finished_records(log_path, key, [p.seq_id for p in prompts])
@@ -192,6 +205,7 @@ def run(cfg: DictConfig) -> dict:
             "datastore_min_ngram": settings.datastore_min_ngram if datastore else None,
             "datastore_min_count": settings.datastore_min_count if datastore else None,
             "datastore": datastore_info,
+            "draft_vocab": draft_vocab_info,
             "methods": methods,
             "seed": e.seed,
             "resumed_prompts": len(done),

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 
 from flashdraft.model import extract_context_feature
@@ -37,14 +38,27 @@ class DrafterProposer:
     Proposers are called as `proposer(block [1, B], context [1, c, n*H] | None, start) -> draft
     logits [B-1, V]`, where `context` holds the target features of the tokens verified since the
     last call and `start` is the absolute position of block[0]. `start()` resets per-sequence state.
+
+    `draft_vocab` (token ids, `flashdraft.vocab.frequent_tokens`): the draft is scored over those words only,
+    by a copy of their rows of the head, and every other word gets logit -inf (FR-Spec). The target still
+    verifies over all words, so the output is unchanged; drafts of the words left out are lost.
     """
 
-    def __init__(self, drafter, head):
+    def __init__(self, drafter, head, draft_vocab=None):
         self.drafter, self.head = drafter, head
         self.block_size = drafter.block_size
         self.mask_token_id = drafter.mask_token_id
         self.layer_ids = drafter.target_layer_ids  # features the loop must capture (None: none)
         self.cache = None
+        self.vocab = self.vocab_weight = None
+        if draft_vocab is not None:
+            weight = head.lm_head.weight
+            self.vocab = torch.as_tensor(draft_vocab, dtype=torch.long, device=weight.device)
+            words = weight.shape[0]
+            if self.vocab.ndim != 1 or self.vocab.numel() == 0 or int(self.vocab.min()) < 0 or int(self.vocab.max()) >= words:
+                raise ValueError(f"draft_vocab must be a non-empty 1-D list of token ids below the target's {words} words, "
+                                 f"got shape {tuple(self.vocab.shape)}")
+            self.vocab_weight = weight.detach().index_select(0, self.vocab).contiguous()
 
     def start(self) -> None:
         self.cache = self.drafter.new_cache()
@@ -54,8 +68,11 @@ class DrafterProposer:
         if self.cache.length + c != start:
             raise RuntimeError(f"drafter cache holds {self.cache.length} + {c} new context tokens, block starts at {start}")
         positions = torch.arange(start - c, start + block.shape[1], device=block.device)[None]
-        hidden = self.drafter(self.head.embed_tokens(block), context, positions, cache=self.cache)
-        return self.head.lm_head(hidden[0, 1:])
+        hidden = self.drafter(self.head.embed_tokens(block), context, positions, cache=self.cache)[0, 1:]
+        if self.vocab is None:
+            return self.head.lm_head(hidden)
+        logits = hidden.new_full((hidden.shape[0], self.head.lm_head.weight.shape[0]), float("-inf"))
+        return logits.index_copy_(1, self.vocab, F.linear(hidden, self.vocab_weight))
 
 
 @dataclass

@@ -183,6 +183,20 @@ def test_missing_datastore_store_is_named(target_dir, tmp_path):
         run(cfg)
 
 
+def test_draft_vocabulary_is_counted_in_the_training_store_and_stays_lossless(target_dir, tmp_path, capsys):
+    from flashdraft.prompts import load_prompts
+
+    heldout = load_prompts("humaneval", split="heldout", limit=1)[0].seq_id
+    write_training_store(tmp_path / "features", target_dir, heldout)
+    report = run(compose_config(overrides(target_dir, tmp_path, "eval.methods=[plain,dflash,dflash_tree]", "eval.draft_vocab=16")))
+    assert report["settings"]["draft_vocab"] == {"words": 16, "store": str(tmp_path / "features")}
+    assert all(report["methods"][m]["lossless"] for m in ("dflash", "dflash_tree"))
+    without = run(compose_config(overrides(target_dir, tmp_path, "eval.methods=[plain,dflash]", "eval.draft_vocab=16",
+                                           f"eval.draft_vocab_store={tmp_path / 'none'}")))  # fmt: skip
+    assert without["settings"]["draft_vocab"] is None  # no store to count it in: all words, said on stderr
+    assert "no feature store at" in capsys.readouterr().err
+
+
 def test_missing_drafter_is_an_error_unless_allowed(target_dir, tmp_path):
     cfg = compose_config(overrides(target_dir, tmp_path, f"eval.drafter={tmp_path / 'none'}", "eval.allow_untrained=false"))
     with pytest.raises(FileNotFoundError, match="no drafter at"):

@@ -146,3 +146,11 @@ def test_wrong_acceptance_rule_is_rejected(models, monkeypatch, wrong_rule, draw
     temperature, top_p, top_k = SETTINGS[0]
     counts = empirical_joint(target, proposer, draws, temperature, top_p, top_k)
     assert chi_square_pvalue(counts, exact_joint(target, temperature, top_p, top_k)) < 1e-6
+
+
+def test_sampling_with_a_draft_vocabulary_keeps_the_target_distribution(models):
+    """Drafts restricted to half the words (the other words' logits -inf) still sample the target."""
+    target, proposer = models
+    restricted = speculative.DrafterProposer(proposer.drafter, proposer.head, draft_vocab=[0, 2, 4, 6])
+    counts = empirical_joint(target, restricted, 2000, 1.0, 1.0, 0)
+    assert chi_square_pvalue(counts, exact_joint(target, 1.0, 1.0, 0)) > 1e-3

@@ -270,6 +270,36 @@ def test_tree_arguments_are_checked(setup):
         speculative_generate(target, prompts[0], max_new_tokens=4, proposer=proposer, tree_size=-1)
 
 
+def test_draft_vocabulary_scores_its_words_only_and_stays_lossless(setup):
+    """A draft vocabulary: the draft logits of its words are the full head's, every other word's are -inf, so only its
+    words are drafted; greedy output (chain and tree) stays the plain output."""
+    target, drafter, prompts, plain = setup
+    head = frozen_head_from_model(target)
+    vocab = torch.arange(0, VOCAB, 3)
+    full, restricted = DrafterProposer(drafter, head), DrafterProposer(drafter, head, draft_vocab=vocab)
+    context = torch.randn(1, 5, drafter.fc.in_features)
+    block = torch.tensor([[7] + [MASK] * 15])
+    for p in (full, restricted):
+        p.start()
+    expected, logits = full(block, context, 5), restricted(block, context, 5)
+    assert logits.shape == expected.shape
+    torch.testing.assert_close(logits[:, vocab], expected[:, vocab])
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[vocab] = False
+    assert torch.isneginf(logits[:, outside]).all()
+    accepted = []
+    for tree_size in (0, 7):
+        for p, expected_tokens in zip(prompts, plain):
+            spec = speculative_generate(target, p, max_new_tokens=32, proposer=restricted, tree_size=tree_size)
+            assert spec.tokens == expected_tokens
+            accepted += spec.acceptance_lengths
+    assert max(accepted) > 2  # its drafts still get accepted
+    with pytest.raises(ValueError, match="draft_vocab"):
+        DrafterProposer(drafter, head, draft_vocab=[3, VOCAB])
+    with pytest.raises(ValueError, match="draft_vocab"):
+        DrafterProposer(drafter, head, draft_vocab=[])
+
+
 # --- lookup rounds -----------------------------------------------------------------------------
 
 

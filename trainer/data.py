@@ -24,6 +24,7 @@ import numpy as np
 
 from flashdraft.prompts import hash_fraction
 from flashdraft.store import StoreReader
+from flashdraft.vocab import frequent_tokens
 from trainer.anchors import draw_anchors, hard_start_weights, stable_seed
 from trainer.batch import Batch, collate
 
@@ -129,12 +130,9 @@ class TrainingData:
 
     def frequent_tokens(self, k: int, vocab_size: int) -> np.ndarray:
         """The k most frequent response tokens of the training split (ties to the lower id), sorted by id."""
-        counts = np.zeros(vocab_size, dtype=np.int64)
         heldout = {s for s, h in zip(self.seq_ids, self.heldout) if h}
-        for reader in self.readers:
-            for ids, mask in reader.token_sequences(skip=heldout):
-                counts += np.bincount(ids[: self.max_length][mask[: self.max_length]], minlength=vocab_size)
-        return np.sort(np.argsort(-counts, kind="stable")[:k])
+        sequences = (pair for reader in self.readers for pair in reader.token_sequences(skip=heldout))
+        return frequent_tokens(sequences, k, vocab_size, max_length=self.max_length)
 
     def read(self, i: int):
         seq = self.readers[self.store_of[i]].read(int(self.local[i]), layers=self.layer_ids, teacher=self.teacher)
