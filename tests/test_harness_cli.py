@@ -208,6 +208,8 @@ def test_full_config_composes():
     assert cfg.eval.name == "full" and cfg.eval.limit is None and cfg.eval.allow_untrained is False
     assert list(cfg.eval.methods) == ["plain", "plain_as_loaded", "prompt_lookup", "dflash", "dflash_tree", "dflash_lookup", "dflash_datastore"]
     assert cfg.eval.datastore.endswith("/features") and cfg.eval.datastore_ngram == 4 and cfg.eval.datastore_min_ngram == 2
+    assert cfg.eval.draft_vocab == 8192 and cfg.eval.draft_vocab_store.endswith("/features")
+    assert compose_config(["eval=paper"]).eval.draft_vocab == 0  # the reference drafts over every word
 
 
 def test_tree_method_with_sampling_is_refused_by_name(target_dir, tmp_path):
