@@ -30,7 +30,7 @@ test: setup
 clean:
 	rm -rf runs outputs multirun
 
-# Profiles for the embedded default: PROFILE=quick (13.0 min on 2 Intel AMX cores at lr 2e-3 and 16 anchors; 19.9 on 2 AMD EPYC ones at 9ff14c2 with the loss vocabulary) or full (~1 h capture + ~1 h
+# Profiles for the embedded default: PROFILE=quick (13.0 min on 2 Intel AMX cores at lr 2e-3 and 16 anchors; 19.1 on 2 AMD EPYC ones at a7a732c with the draft vocabulary) or full (~1 h capture + ~1 h
 # training) picks data=, train= and eval= of that name and runs in runs/<profile>-<model>.
 ifdef PROFILE
 PROFILE_ARGS = train=$(PROFILE) eval=$(PROFILE) run_dir=runs/$(PROFILE)-$(MODEL)
