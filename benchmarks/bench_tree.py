@@ -64,9 +64,8 @@ def main() -> None:
     store = StoreReader(args.store)
     seq_ids = store.seq_ids[:: max(1, len(store.seq_ids) // args.sequences)][: args.sequences]
     head, vocab_size = frozen_head_from_model(target), target.config.vocab_size
-    vocab_store = StoreReader(args.datastore_store or args.store)
-    proposers = {k: DrafterProposer(drafter, head, frequent_tokens(vocab_store.token_sequences(skip=seq_ids), k, vocab_size) if k else None)
-                 for k in args.draft_vocabs}  # fmt: skip
+    responses = list(StoreReader(args.datastore_store or args.store).token_sequences(skip=seq_ids)) if any(args.draft_vocabs) else []
+    proposers = {k: DrafterProposer(drafter, head, frequent_tokens(responses, k, vocab_size) if k else None) for k in args.draft_vocabs}
     proposer = proposers[args.draft_vocabs[0]]
     trees = [tuple(int(x) for x in t.split("x")) for t in args.trees]
     # (kind, cutoff, tree size, branching, lookup n-gram, datastore "n-gram:min_count" or "")

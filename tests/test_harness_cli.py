@@ -183,13 +183,22 @@ def test_missing_datastore_store_is_named(target_dir, tmp_path):
         run(cfg)
 
 
-def test_draft_vocabulary_is_counted_in_the_training_store_and_stays_lossless(target_dir, tmp_path, capsys):
+def test_draft_vocabulary_is_counted_in_the_training_store_and_stays_lossless(target_dir, tmp_path, capsys, monkeypatch):
     from flashdraft.prompts import load_prompts
+    from harness.speculative import DrafterProposer
 
+    vocabularies, draft = [], DrafterProposer.__call__
+
+    def recording(self, *args):  # the drafts the eval makes: with which vocabulary
+        vocabularies.append(None if self.vocab is None else len(self.vocab))
+        return draft(self, *args)
+
+    monkeypatch.setattr(DrafterProposer, "__call__", recording)
     heldout = load_prompts("humaneval", split="heldout", limit=1)[0].seq_id
     write_training_store(tmp_path / "features", target_dir, heldout)
     report = run(compose_config(overrides(target_dir, tmp_path, "eval.methods=[plain,dflash,dflash_tree]", "eval.draft_vocab=16")))
     assert report["settings"]["draft_vocab"] == {"words": 16, "store": str(tmp_path / "features")}
+    assert vocabularies and set(vocabularies) == {16}  # every draft scored the 16 words
     assert all(report["methods"][m]["lossless"] for m in ("dflash", "dflash_tree"))
     without = run(compose_config(overrides(target_dir, tmp_path, "eval.methods=[plain,dflash]", "eval.draft_vocab=16",
                                            f"eval.draft_vocab_store={tmp_path / 'none'}")))  # fmt: skip
