@@ -30,14 +30,18 @@ def _fmt(value, spec=".2f") -> str:
     return format(value, spec)
 
 
+def _times(value) -> str:
+    return "n/a" if value is None else f"{value:.2f}x"
+
+
 def methods_table(methods: dict) -> str:
     loaded = any("speedup_vs_loaded" in m for m in methods.values())
     extra = " vs as loaded |" if loaded else ""
     lines = [f"| method | tau | tokens/s | speedup |{extra} lossless | decode tokens | decode s |", "|---|---|---|---|" + "---|" * (3 + loaded)]
     for name, m in methods.items():
-        vs_loaded = f" {_fmt(m.get('speedup_vs_loaded'))}x |" if loaded else ""
+        vs_loaded = f" {_times(m.get('speedup_vs_loaded'))} |" if loaded else ""
         lines.append(
-            f"| {name} | {_fmt(m['tau'])} | {_fmt(m['tokens_per_s'])} | {_fmt(m['speedup'])}x |{vs_loaded} {_fmt(m['lossless'])} "
+            f"| {name} | {_fmt(m['tau'])} | {_fmt(m['tokens_per_s'])} | {_times(m['speedup'])} |{vs_loaded} {_fmt(m['lossless'])} "
             f"| {m['decode_tokens']} | {_fmt(m['decode_s'])} |"
         )
     return "\n".join(lines)

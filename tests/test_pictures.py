@@ -6,7 +6,7 @@ import json
 import pytest
 
 from harness.pictures import acceptance_lengths_by_source, plot_acceptance, plot_training, running_mean
-from harness.report import render_markdown
+from harness.report import methods_table, render_markdown
 from harness.training_log import PARITY_REASONS, last_eval_tau, read_metrics, train_serve_parity
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -98,3 +98,10 @@ def test_report_links_pictures_and_shows_parity(tmp_path):
     assert "| 1.600 | 1.250 | 1.200 | -25.0% |" in md and "block starts account for -21.9%" in md and "for -4.0%" in md
     plain = render_markdown(minimal_report())  # a report from before pictures, or with none drawn
     assert ".png" not in plain and "parity" not in plain
+
+
+def test_methods_table_marks_missing_speedup_without_a_stray_x():
+    row = {"tau": 2.0, "tokens_per_s": 10.0, "lossless": None, "decode_tokens": 8, "decode_s": 0.8}
+    table = methods_table({"dflash": {**row, "speedup": 1.5}, "dflash_tree": {**row, "speedup": None}})
+    assert "| dflash | 2.00 | 10.00 | 1.50x | n/a |" in table
+    assert "| dflash_tree | 2.00 | 10.00 | n/a | n/a |" in table and "n/ax" not in table
