@@ -22,16 +22,12 @@ TIMING_NOTE = (
 )
 
 
-def _fmt(value, spec=".2f") -> str:
+def _fmt(value, spec=".2f", unit="") -> str:
     if value is None:
         return "n/a"
     if isinstance(value, bool):
         return "yes" if value else "NO"
-    return format(value, spec)
-
-
-def _times(value) -> str:
-    return "n/a" if value is None else f"{value:.2f}x"
+    return format(value, spec) + unit
 
 
 def methods_table(methods: dict) -> str:
@@ -39,9 +35,9 @@ def methods_table(methods: dict) -> str:
     extra = " vs as loaded |" if loaded else ""
     lines = [f"| method | tau | tokens/s | speedup |{extra} lossless | decode tokens | decode s |", "|---|---|---|---|" + "---|" * (3 + loaded)]
     for name, m in methods.items():
-        vs_loaded = f" {_times(m.get('speedup_vs_loaded'))} |" if loaded else ""
+        vs_loaded = f" {_fmt(m.get('speedup_vs_loaded'), unit='x')} |" if loaded else ""
         lines.append(
-            f"| {name} | {_fmt(m['tau'])} | {_fmt(m['tokens_per_s'])} | {_times(m['speedup'])} |{vs_loaded} {_fmt(m['lossless'])} "
+            f"| {name} | {_fmt(m['tau'])} | {_fmt(m['tokens_per_s'])} | {_fmt(m['speedup'], unit='x')} |{vs_loaded} {_fmt(m['lossless'])} "
             f"| {m['decode_tokens']} | {_fmt(m['decode_s'])} |"
         )
     return "\n".join(lines)
