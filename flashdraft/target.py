@@ -256,42 +256,117 @@ def _register_exact_attention() -> None:
 _register_exact_attention()
 
 
-def _row_padded_linear(self, x: torch.Tensor) -> torch.Tensor:
-    """F.linear on tiles of exactly `exact_rows` rows (the last one zero-padded), so that a row's result does not
-    depend on how many rows came with it: a prefill that also carries draft candidates (transformers' prompt
-    lookup) gives the logits of one-token forwards too."""
+_EXACT_BASE_ROWS: dict[tuple, int] = {}
+
+
+def _probe_inputs(weight: torch.Tensor, bias: bool, tile: int, cancelling: bool, g: torch.Generator):
+    """A random (weight, bias, rows) of `weight`'s kind. bf16 outputs round away most differences in the order
+    of an fp32 sum, so the cancelling kind hides them nowhere: each weight row holds pairs of +-2^24 (exact, and
+    cancelling exactly), the rows of input are powers of two times ones, and whatever grouping a kernel adds the
+    small terms to the big ones in shows in the result's leading bits."""
+    n, k = weight.shape
+    device = weight.device
+    w = torch.randn(n, k, generator=g, device=device)
+    if cancelling:
+        big = 2.0 ** (14 if weight.dtype == torch.float16 else 24)
+        pairs = max(1, k // 16)
+        at = torch.rand(n, k, generator=g, device=device).argsort(dim=1)[:, : 2 * pairs]
+        w.scatter_(1, at, torch.cat([torch.full((n, pairs), big, device=device), torch.full((n, pairs), -big, device=device)], 1))
+        x = 2.0 ** torch.randint(-3, 4, (tile, 1), generator=g, device=device) * torch.ones(tile, k, device=device)
+    else:
+        w *= k**-0.5
+        x = torch.randn(tile, k, generator=g, device=device)
+    weights = torch.empty_strided(weight.shape, weight.stride(), dtype=weight.dtype, device=device).copy_(w)
+    b = torch.randn(n, generator=g, device=device).to(weight.dtype) if bias else None
+    return weights, b, x.to(weight.dtype)
+
+
+_EXACT_BASE_ROWS: dict[tuple, int] = {}
+
+
+def exact_base_rows(weight: torch.Tensor, bias: bool, tile: int, linear=F.linear) -> int:
+    """The fewest rows b such that every `linear` call over b to `tile` rows gives each row the bits it gets alone,
+    zero-padded to b rows, whatever its place and companions. A row count's kernel is a function of the shapes,
+    the dtype, the layouts and the thread count, so this probes random weights of the same kind once per such
+    key (`_probe_inputs`): 1 where one kernel serves every row count (SmolLM2's bf16 GEMMs on AVX512-BF16 without
+    AMX but its down projection, 2: a plain step runs them unpadded), up to `tile` where a 1-row GEMM takes
+    another kernel (bf16 on Intel AMX; fp32 on the Intel Xeon without AMX from 2 rows on), the fixed tile every
+    row ran on before."""
+    key = (tuple(weight.shape), weight.stride(), weight.dtype, weight.device.type, bias, tile, torch.get_num_threads(), linear)
+    if key not in _EXACT_BASE_ROWS:
+        g = torch.Generator(device=weight.device).manual_seed(0)
+        base = 1
+        with torch.no_grad():
+            for cancelling in (False, True):
+                w, b, x = _probe_inputs(weight, bias, tile, cancelling, g)
+                calls = {m: linear(x[:m], w, b) for m in range(base, tile + 1)}
+
+                def shared(base: int) -> bool:
+                    for i in range(tile):
+                        alone = linear(F.pad(x[i : i + 1], (0, 0, 0, base - 1)), w, b)[0]
+                        if not all(torch.equal(calls[m][i], alone) for m in range(max(base, i + 1), tile + 1)):
+                            return False
+                    return True
+
+                base = next(n for n in range(base, tile + 1) if shared(n))
+        _EXACT_BASE_ROWS[key] = base
+    return _EXACT_BASE_ROWS[key]
+
+
+def _base_rows(linear: nn.Linear) -> int:
+    if linear.exact_min_rows is not None:
+        return min(linear.exact_min_rows, linear.exact_rows)
+    return exact_base_rows(linear.weight, linear.bias is not None, linear.exact_rows)
+
+
+def _row_exact_linear(self, x: torch.Tensor) -> torch.Tensor:
+    """F.linear on tiles of at most `exact_rows` rows, a tile of fewer than `exact_base_rows` rows zero-padded up
+    to that many, so that a row's result does not depend on how many rows came with it: a prefill that also
+    carries draft candidates (transformers' prompt lookup) gives the logits of one-token forwards too."""
     rows = x.numel() // x.shape[-1]
-    tile = self.exact_rows
-    flat = x.reshape(rows, x.shape[-1])
-    pad = -rows % tile
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad, flat.shape[1])])
-    out = torch.cat([F.linear(chunk, self.weight, self.bias) for chunk in flat.split(tile)]) if rows > tile else F.linear(flat, self.weight, self.bias)
-    return out[:rows].reshape(*x.shape[:-1], -1)
+    flat = x.reshape(rows, x.shape[-1]).contiguous()
+    threads, base = self._exact_base
+    if threads != torch.get_num_threads():
+        self._exact_base = threads, base = torch.get_num_threads(), _base_rows(self)
+    out = []
+    for chunk in flat.split(self.exact_rows):
+        n = chunk.shape[0]
+        out.append(F.linear(F.pad(chunk, (0, 0, 0, base - n)) if n < base else chunk, self.weight, self.bias)[:n])
+    return (out[0] if len(out) == 1 else torch.cat(out)).reshape(*x.shape[:-1], -1)
 
 
-def make_verification_exact(model, rows: int = 16, fp32_attention: bool | None = None):
+def make_verification_exact(model, rows: int = 16, fp32_attention: bool | None = None, min_rows: int | None = None):
     """Make a k-token forward (any k) give bit for bit the logits of k one-token forwards.
 
     On CPU neither holds by itself: a GEMM over 1 row and over 16 rows take different kernels whose results
     differ in the last bit for some inputs (bf16 on Intel AMX; on an AMD EPYC, every fp32 shape of SmolLM2 and
     its bf16 down projection from 7 rows on), and so does attention over 1 vs k queries. Every linear layer
-    therefore runs on tiles of exactly `rows` rows (zero-padded; on AMX a 16-row bf16 GEMM costs 10-15% more
-    than a 1-row one) and attention goes row by row (`rowwise_attention`). Longer inputs (prefills) run tile by tile,
-    so they are exact too: transformers' prompt lookup verifies its first candidates inside the prefill.
+    therefore runs on tiles of at most `rows` rows, a short one zero-padded to the fewest rows whose kernel every
+    longer tile shares (`exact_base_rows`, probed per shape: 1 where a single kernel serves them all, as SmolLM2's
+    bf16 GEMMs do on the Intel Xeon without AMX; more where a 1-row GEMM takes its own kernel, as bf16 on Intel AMX,
+    where a 16-row bf16 GEMM costs 10-15% more than a 1-row one anyway), and attention goes
+    row by row (`rowwise_attention`). Longer inputs (prefills) run tile by tile, so they are exact too:
+    transformers' prompt lookup verifies its first candidates inside the prefill. `min_rows` pads every tile to
+    at least that many rows instead of probing (16: the fixed tiles of before, `benchmarks/bench_exact.py`).
 
     `fp32_attention` (None: on CPUs without AMX) runs a low-precision model's row-wise attention in float32:
     there CPU SDPA in bf16 costs about 5x a float32 call for one query row (233 vs 41 us at 300 keys on an AMD
     EPYC), and a verify forward makes one call per row and layer."""
     for module in model.modules():
         if isinstance(module, nn.Linear):
-            module.exact_rows = rows
-            module.forward = _row_padded_linear.__get__(module)
+            module.exact_rows, module.exact_min_rows = rows, min_rows
+            module.forward = _row_exact_linear.__get__(module)
+            module._exact_base = torch.get_num_threads(), _base_rows(module)
     if fp32_attention is None:
         fp32_attention = not cpu_has_bf16_tiles()
     upcast = fp32_attention and model.dtype != torch.float32
     model.config._attn_implementation = EXACT_ATTENTION_FP32 if upcast else EXACT_ATTENTION
     return model
+
+
+def exact_gemm_rows(model) -> dict[str, int]:
+    """Per linear shape ("in->out") of a model made exact, the rows a shorter tile is padded to (`exact_base_rows`)."""
+    return {f"{m.weight.shape[1]}->{m.weight.shape[0]}": m._exact_base[1] for m in model.modules() if hasattr(m, "_exact_base")}
 
 
 def needs_exact_verification(dtype: torch.dtype, device) -> bool:

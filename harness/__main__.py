@@ -23,6 +23,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from flashdraft.target import (
+    exact_gemm_rows,
     frozen_head_from_model,
     load_target,
     make_verification_exact,
@@ -89,14 +90,15 @@ def add_pictures_and_parity(report: dict, records: list[dict], out_dir: Path, me
 
 
 def run_key(settings: DecodeSettings, methods, drafter_name, drafter_dir, fingerprint: dict, dtype, device, datastore=None,
-            draft_vocab=None) -> str:
-    """What a finished prompt's measurement depends on: an interrupted eval resumes only under the same key."""
+            draft_vocab=None, verification=None) -> str:
+    """What a finished prompt's measurement depends on: an interrupted eval resumes only under the same key
+    (`verification`: how the target was made exact, which sets every method's timing)."""
     weights = Path(drafter_dir, "model.safetensors") if drafter_dir else None
     identity = {
         "settings": asdict(settings), "methods": list(methods), "drafter": drafter_name,
         "drafter_weights": [weights.stat().st_size, weights.stat().st_mtime_ns] if weights and weights.is_file() else None,
         "target": fingerprint, "dtype": str(dtype), "device": str(device), "threads": torch.get_num_threads(),
-        "datastore": datastore, "draft_vocab": draft_vocab,
+        "datastore": datastore, "draft_vocab": draft_vocab, "verification": verification,
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -162,7 +164,8 @@ def run(cfg: DictConfig) -> dict:
     log_path = out_dir / "runs.jsonl"
     fingerprint = target_fingerprint(m.target)
     key = run_key(settings, methods, drafter_path, e.drafter if proposer and not untrained else None, fingerprint, dtype, device,
-                  datastore_info, draft_vocab_info)
+                  datastore_info, draft_vocab_info,
+                  {"attention": target.config._attn_implementation, "gemm_rows": exact_gemm_rows(target)})
     done = {}
     if e.get("resume", True):
         done = finished_records(log_path, key, [p.seq_id for p in prompts])
@@ -212,6 +215,7 @@ def run(cfg: DictConfig) -> dict:
             "device": str(device),
             "dtype": str(dtype).removeprefix("torch."),
             "attention": target.config._attn_implementation,
+            "exact_gemm_rows": exact_gemm_rows(target),
             "timing": TIMING_NOTE,
             **environment(),
         },

@@ -16,7 +16,9 @@ TIMING_NOTE = (
     "same prompts (with greedy, identical outputs: plain decode wall time / method decode wall time). "
     "plain and the dflash methods run the same harness loop (plain = block size 1, no drafter); prompt lookup runs "
     "transformers generate. Every method but plain_as_loaded runs the target with exact verification on CPU (GEMMs "
-    "on 16-row tiles, attention a row at a time), whose greedy output speculative decoding reproduces bit for bit; "
+    "on tiles of at most 16 rows, a shorter tile zero-padded to the fewest rows whose kernel every longer tile shares, "
+    "probed per shape at load: 'GEMM rows' above; attention a row at a time), whose greedy output speculative decoding "
+    "reproduces bit for bit; "
     "plain_as_loaded decodes the target as loaded (plain GEMMs and SDPA), and 'vs as loaded' is speedup over it "
     "(its 'lossless' says whether its tokens equal the exact target's)."
 )
@@ -55,6 +57,8 @@ def render_markdown(report: dict) -> str:
         f"block size {s['block_size']}, prompt lookup {s['prompt_lookup_num_tokens']} tokens",
         f"- device {s['device']} ({s['dtype']}, {s.get('attention', 'sdpa')} attention), torch {s['torch']}, transformers {s['transformers']}, "
         f"{s['torch_threads']} threads, {s['date']}",
+        *([f"- exact verification, GEMM rows (a shorter tile padded to): "
+           + ", ".join(f"{k} {v}" for k, v in s["exact_gemm_rows"].items())] if s.get("exact_gemm_rows") else []),
         "",
         methods_table(methods),
         "",

@@ -135,7 +135,10 @@ def test_plain_as_loaded_decodes_a_copy_of_the_target_without_exact_verification
         assert m[name]["speedup_vs_loaded"] == pytest.approx(m[name]["tokens_per_s"] / m["plain_as_loaded"]["tokens_per_s"])
         assert m[name]["by_source"]["mtbench"]["speedup_vs_loaded"] > 0
     assert report["settings"]["attention"] == "rowwise_exact" and m["dflash"]["lossless"] is True
+    gemm_rows = report["settings"]["exact_gemm_rows"]  # every linear shape of the target, with the rows it pads to
+    assert "64->320" in gemm_rows and all(1 <= rows <= 16 for rows in gemm_rows.values())
     md = (tmp_path / "eval" / "report.md").read_text()
+    assert "- exact verification, GEMM rows (a shorter tile padded to): " in md
     assert "| method | tau | tokens/s | speedup | vs as loaded | lossless | decode tokens | decode s |" in md
     assert "| plain_as_loaded | 1.00 |" in md and "plain_as_loaded decodes the target as loaded" in md
 

@@ -9,7 +9,15 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from flashdraft.model import DFlashDrafter, make_draft_config
-from flashdraft.target import EXACT_ATTENTION, EXACT_ATTENTION_FP32, cpu_has_fast_bf16, frozen_head_from_model, make_verification_exact, needs_exact_verification
+from flashdraft.target import (
+    EXACT_ATTENTION,
+    EXACT_ATTENTION_FP32,
+    cpu_has_fast_bf16,
+    exact_base_rows,
+    frozen_head_from_model,
+    make_verification_exact,
+    needs_exact_verification,
+)
 from harness.lookup import lookup_draft
 from harness.prompt_lookup import prompt_lookup_generate
 from harness.speculative import DrafterProposer, speculative_generate
@@ -463,6 +471,35 @@ def test_sampling_matches_reference_with_the_same_seed(setup, reference, tmp_pat
         ours = speculative_generate(target, p, max_new_tokens=32, proposer=proposer, temperature=0.8, top_p=top_p, top_k=top_k, block_size=8)
         assert ours.tokens == ref.output_ids[0, p.shape[1] :].tolist()
         assert ours.acceptance_lengths == ref.acceptance_lengths
+
+
+@pytest.mark.parametrize("kernel_from", [1, 2, 4, 16])
+def test_exact_base_rows_is_the_fewest_rows_whose_kernel_every_longer_tile_shares(kernel_from):
+    """A GEMM whose rows come out with other bits below `kernel_from` rows (as a 1-row bf16 GEMM does on Intel AMX):
+    short tiles must be padded to exactly that many rows; where one kernel serves every count, to none."""
+    def linear(x, w, b=None):  # one row at a time (the same bits whatever the companions), shifted below the threshold
+        out = torch.stack([torch.nn.functional.linear(r[None], w, b)[0] for r in x])
+        return out + 1e-3 if x.shape[0] < kernel_from else out
+
+    assert exact_base_rows(torch.empty(24, 40), bias=True, tile=16, linear=linear) == kernel_from
+    # tiles of up to 8 rows never reach a kernel from 16 rows on: one kernel serves them all
+    assert exact_base_rows(torch.empty(24, 40), bias=False, tile=8, linear=linear) == (kernel_from if kernel_from <= 8 else 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_probed_padding_gives_the_logits_of_16_row_tiles(dtype):
+    """Padding a tile only to the rows its probe asks for changes no bit: a one-token step and a verify forward
+    of every length up to a tile give the logits of the target whose every tile is padded to 16 rows."""
+    probed = make_verification_exact(tiny_target("qwen3").to(dtype))
+    fixed = make_verification_exact(tiny_target("qwen3").to(dtype), min_rows=16)
+    assert {m._exact_base[1] for m in fixed.modules() if hasattr(m, "_exact_base")} == {16}
+    ids = torch.randint(0, VOCAB - 2, (1, 120), generator=torch.Generator().manual_seed(6))
+    for rows in (1, 2, 3, 5, 8, 13, 16):
+        logits = []
+        for model in (probed, fixed):
+            cache = model(ids[:, :100], use_cache=True).past_key_values
+            logits.append(model(ids[:, 100 : 100 + rows], past_key_values=cache, use_cache=True).logits)
+        assert torch.equal(*logits), rows
 
 
 @pytest.mark.parametrize("dtype,fp32_attention", [(torch.float32, None), (torch.bfloat16, False), (torch.bfloat16, True)])
