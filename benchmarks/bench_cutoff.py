@@ -1,7 +1,9 @@
 """DFlash with the whole block verified vs only its confident prefix (`eval.draft_cutoff`), one run.
 
     .venv/bin/python benchmarks/bench_cutoff.py --drafter runs/full-smollm2-135m/drafter
-        [--cutoffs 0 0.05 0.1 0.2 0.3] [--limit 6] [--max-new-tokens 128] [--dtype auto]
+        [--cutoffs 0 0.05 0.1 0.2 0.3] [--by-cost] [--limit 6] [--max-new-tokens 128] [--dtype auto]
+
+`--by-cost` adds the prefix chosen by the verify costs timed at load (`eval.verify_by_cost`), printed as cutoff "cost".
 
 The embedded default target on held-out HumanEval and MT-Bench prompts, greedy, the harness's own loop
 and exact verification. Per prompt, plain decoding and DFlash at every cutoff run back to back, so load
@@ -25,7 +27,7 @@ from flashdraft.target import (
     stop_token_ids,
 )
 from harness.evaluate import build_prompts
-from harness.speculative import DrafterProposer, speculative_generate
+from harness.speculative import DrafterProposer, measure_verify_ms, speculative_generate
 
 
 def main() -> None:
@@ -33,6 +35,7 @@ def main() -> None:
     ap.add_argument("--drafter", required=True, help="a trained drafter folder (config.json + model.safetensors)")
     ap.add_argument("--cutoffs", type=float, nargs="+", default=[0.0, 0.05, 0.1, 0.2, 0.3])
     ap.add_argument("--limit", type=int, default=6, help="held-out prompts per source")
+    ap.add_argument("--by-cost", action="store_true", help="also the prefix chosen by the verify costs timed at load")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=None)
@@ -50,14 +53,19 @@ def main() -> None:
     common = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=stop)
     speculative_generate(target, prompts[0].input_ids, max_new_tokens=8, proposer=proposer)  # warm-up
 
+    arms = {c: dict(draft_cutoff=c) for c in args.cutoffs}
+    if args.by_cost:
+        verify_ms = measure_verify_ms(target, drafter.block_size)
+        print("verify costs (ms, 1.." + str(drafter.block_size) + " rows): " + ", ".join(f"{c:.1f}" for c in verify_ms))
+        arms["cost"] = dict(verify_ms=verify_ms)
     plain_s, plain_tokens = 0.0, 0
-    runs = {c: [] for c in args.cutoffs}
+    runs = {c: [] for c in arms}
     for i, p in enumerate(prompts):
         plain = speculative_generate(target, p.input_ids, **common)
         plain_s += plain.decode_s
         plain_tokens += plain.decode_tokens
-        for c in args.cutoffs:
-            g = speculative_generate(target, p.input_ids, proposer=proposer, draft_cutoff=c, **common)
+        for c, arm in arms.items():
+            g = speculative_generate(target, p.input_ids, proposer=proposer, **arm, **common)
             if g.tokens != plain.tokens:
                 raise AssertionError(f"cutoff {c}: output differs from plain decoding on {p.source}/{p.record_id}")
             runs[c].append(g)
@@ -74,7 +82,7 @@ def main() -> None:
         seconds = sum(g.decode_s for g in gens)
         ms = lambda part: 1000 * sum(sum(getattr(g, part)) for g in gens) / rounds  # noqa: E731
         verified = sum(sum(g.verified_drafts) for g in gens) / rounds
-        print(f"{c:6.2f} {tokens / rounds:5.2f}  {verified:14.2f}  {ms('draft_s'):8.1f}  {ms('verify_s'):9.1f}  "
+        print(f"{c if isinstance(c, str) else format(c, '.2f'):>6s} {tokens / rounds:5.2f}  {verified:14.2f}  {ms('draft_s'):8.1f}  {ms('verify_s'):9.1f}  "
               f"{1000 * seconds / rounds:8.1f}  {tokens / seconds:8.2f}  {tokens / seconds / plain_rate:6.2f}x")
 
 

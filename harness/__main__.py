@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import hydra
@@ -50,7 +50,7 @@ from harness.evaluate import (
 from harness.pictures import acceptance_lengths_by_source, plot_acceptance, plot_training
 from harness.report import TIMING_NOTE, methods_table, write_report
 from harness.replay import replay_tau
-from harness.speculative import DrafterProposer
+from harness.speculative import DrafterProposer, measure_verify_ms
 from harness.training_log import parity_line, read_metrics, train_serve_parity
 
 
@@ -95,7 +95,7 @@ def run_key(settings: DecodeSettings, methods, drafter_name, drafter_dir, finger
     (`verification`: how the target was made exact, which sets every method's timing)."""
     weights = Path(drafter_dir, "model.safetensors") if drafter_dir else None
     identity = {
-        "settings": asdict(settings), "methods": list(methods), "drafter": drafter_name,
+        "settings": {**asdict(settings), "verify_ms": settings.verify_ms is not None},  # measured anew each run "methods": list(methods), "drafter": drafter_name,
         "drafter_weights": [weights.stat().st_size, weights.stat().st_mtime_ns] if weights and weights.is_file() else None,
         "target": fingerprint, "dtype": str(dtype), "device": str(device), "threads": torch.get_num_threads(),
         "datastore": datastore, "draft_vocab": draft_vocab, "verification": verification,
@@ -136,6 +136,12 @@ def run(cfg: DictConfig) -> dict:
         datastore_ngram=int(e.get("datastore_ngram") or 4), datastore_min_ngram=int(e.get("datastore_min_ngram") or 2),
         datastore_min_count=int(e.get("datastore_min_count") or 2), seed=e.seed,
     )
+    if e.get("verify_by_cost") and "dflash" in methods:
+        if settings.draft_cutoff > 0:
+            raise ValueError(f"eval.verify_by_cost and eval.draft_cutoff={settings.draft_cutoff} both choose what dflash verifies: set one of them")
+        costs = measure_verify_ms(target, block_size)
+        settings = replace(settings, verify_ms=tuple(round(c, 2) for c in costs))
+        print("verify costs (ms, 1.." + str(block_size) + " rows): " + ", ".join(f"{c:.1f}" for c in costs))
     prompts = build_prompts(
         tokenizer, OmegaConf.to_object(e.prompts) if OmegaConf.is_config(e.prompts) else e.prompts,
         split=e.split, limit=e.limit, system_prompt=m.chat.system_prompt, enable_thinking=m.chat.enable_thinking,
@@ -201,6 +207,7 @@ def run(cfg: DictConfig) -> dict:
             "block_size": block_size,
             "prompt_lookup_num_tokens": e.prompt_lookup_num_tokens,
             "draft_cutoff": settings.draft_cutoff,
+            "verify_ms": list(settings.verify_ms) if settings.verify_ms else None,
             "tree_size": settings.tree_size if trees else None,
             "tree_branching": settings.tree_branching if trees else None,
             "lookup_ngram": settings.lookup_ngram if set(LOOKUP_METHODS) & set(methods) else None,

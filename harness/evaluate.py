@@ -64,6 +64,7 @@ class DecodeSettings:
     block_size: int | None = None  # None: the drafter's
     prompt_lookup_num_tokens: int = 10
     draft_cutoff: float = 0.0  # dflash: verify the draft prefix of cumulative draft probability >= this (0: all)
+    verify_ms: tuple[float, ...] | None = None  # dflash: the measured cost of a verify of 1, 2, ... rows; the prefix verified is chosen by it
     tree_size: int = 7  # dflash_tree: draft candidates verified a round
     tree_branching: int = 4  # dflash_tree: candidate tokens a block position
     lookup_ngram: int = 3  # dflash_lookup: a round verifies a lookup draft where the newest this-many tokens occurred before
@@ -143,7 +144,7 @@ def run_method(method, target, prompt: EvalPrompt, settings: DecodeSettings, *, 
     if method == "dflash":
         return speculative_generate(
             target, prompt.input_ids, proposer=proposer, block_size=settings.block_size, generator=generator,
-            draft_cutoff=settings.draft_cutoff, **common,
+            draft_cutoff=settings.draft_cutoff, verify_ms=settings.verify_ms, **common,
         )
     if method == "dflash_tree":
         return speculative_generate(

@@ -18,6 +18,7 @@ With a `datastore`, a round without such a match verifies the datastore's contin
 from __future__ import annotations
 
 import inspect
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -111,6 +112,41 @@ def verified_prefix(draft_logits: torch.Tensor, cutoff: float) -> int:
     return int((torch.cumprod(confidence, 0) >= cutoff).sum())
 
 
+def cost_aware_prefix(draft_logits: torch.Tensor, verify_ms, draft_ms: float = 0.0) -> int:
+    """How many leading drafts to verify for the most committed tokens per ms: k maximizing
+    (1 + sum_{i<=k} c_i) / (draft_ms + verify_ms[k]), c_i the cumulative confidence (top draft probability) of the
+    first i drafts taken as the chance they are all accepted, verify_ms[k] the cost of a target forward over k + 1
+    rows. Like `verified_prefix` it reads the draft distributions only, never the drawn tokens."""
+    confidence = torch.softmax(draft_logits.float(), dim=-1).amax(dim=-1)
+    n = min(len(confidence), len(verify_ms) - 1)
+    expected = 1 + torch.cat([confidence.new_zeros(1), torch.cumsum(torch.cumprod(confidence[:n], 0), 0)])
+    cost = draft_ms + torch.tensor(list(verify_ms[: n + 1]), dtype=expected.dtype)
+    return int(torch.argmax(expected / cost))
+
+
+def measure_verify_ms(target, rows: int, context: int = 256, repeats: int = 5) -> list[float]:
+    """The wall ms of a target forward over 1..`rows` rows after a cache of `context` tokens (random ids), the
+    costs `cost_aware_prefix` weighs: the medians of `repeats` timings a row count, interleaved over the counts,
+    fitted by a line a + b * rows (b >= 0), since a shared CPU's noise would otherwise rank the counts at random."""
+    device = target.device
+    ids = torch.randint(0, target.config.vocab_size, (1, context + rows), generator=torch.Generator().manual_seed(0)).to(device)
+    costs = []
+    with torch.no_grad():
+        cache = DynamicCache(config=target.config)
+        target(ids[:, :context], **{_cache_kwarg(target): cache}, use_cache=True, logits_to_keep=1)
+        times = [[] for _ in range(rows)]
+        for _ in range(repeats + 1):  # the first pass warms up
+            for n in range(1, rows + 1):
+                t0 = clock(device)
+                target(ids[:, context : context + n], **{_cache_kwarg(target): cache}, use_cache=True)
+                times[n - 1].append(clock(device) - t0)
+                cache.crop(-n)
+    medians = torch.tensor([1000 * statistics.median(t[1:]) for t in times], dtype=torch.float64)
+    n = torch.arange(1, rows + 1, dtype=torch.float64)
+    slope = max(0.0, float(((n - n.mean()) * (medians - medians.mean())).sum() / ((n - n.mean()) ** 2).sum().clamp_min(1e-12)))
+    return (medians.mean() + slope * (n - n.mean())).clamp_min(1e-3).tolist()
+
+
 def clock(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -155,6 +191,7 @@ def speculative_generate(
     lookup_ngram: int = 0,
     lookup_tokens: int = 10,
     datastore=None,
+    verify_ms=None,
 ) -> Generation:
     """Generate up to `max_new_tokens` after `input_ids` (list or [1, n] tensor).
 
@@ -165,6 +202,10 @@ def speculative_generate(
     `draft_cutoff` > 0 verifies only the longest draft prefix whose cumulative draft confidence is
     at least `draft_cutoff` (0 verifies the whole block, as the reference does). Any prefix keeps
     the output exact; a shorter verify forward is cheaper where its cost grows with its length (CPU).
+
+    `verify_ms` (from `measure_verify_ms`) verifies the draft prefix `cost_aware_prefix` picks instead, weighing
+    the draft's confidence against what a verify of each length costs on this machine (the draft's own cost: the
+    mean of this generation's drafts so far).
 
     `tree_size` > 0 verifies a tree of that many draft candidates instead of one chain (`harness.tree`:
     the most probable paths, `tree_branching` tokens a position); greedy only.
@@ -188,8 +229,8 @@ def speculative_generate(
         raise ValueError(f"lookup rounds are greedy only (temperature 0); got lookup_ngram {lookup_ngram} at temperature {temperature}")
     if datastore is not None and temperature > 0:
         raise ValueError(f"datastore rounds are greedy only (temperature 0); got a datastore at temperature {temperature}")
-    if tree_size and draft_cutoff > 0:
-        raise ValueError("tree_size and draft_cutoff both choose what to verify: set one of them")
+    if sum(map(bool, (tree_size, draft_cutoff > 0, verify_ms is not None))) > 1:
+        raise ValueError("tree_size, draft_cutoff and verify_ms each choose what to verify: set one of them")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     block_size = block_size or (proposer.block_size if proposer is not None else 1)
@@ -261,8 +302,12 @@ def speculative_generate(
                 block[0, 1:] = sample(draft_probs, generator)
             else:
                 block[0, 1:] = draft_logits.argmax(dim=-1)
-            if draft_cutoff > 0:
-                size = 1 + verified_prefix(draft_logits, draft_cutoff)
+            if draft_cutoff > 0 or verify_ms is not None:
+                if verify_ms is not None:
+                    draft_ms = 1000 * sum(result.draft_s) / len(result.draft_s) if result.draft_s else 0.0
+                    size = 1 + cost_aware_prefix(draft_logits, verify_ms, draft_ms)
+                else:
+                    size = 1 + verified_prefix(draft_logits, draft_cutoff)
                 block, verify_positions = block[:, :size], verify_positions[:, :size]
                 if temperature > 0:
                     draft_probs = draft_probs[: size - 1]

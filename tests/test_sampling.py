@@ -85,14 +85,14 @@ def exact_joint(target, temperature, top_p, top_k) -> np.ndarray:
     return joint / joint.sum()
 
 
-def empirical_joint(target, proposer, draws, temperature, top_p, top_k, draft_cutoff=0.0) -> np.ndarray:
+def empirical_joint(target, proposer, draws, temperature, top_p, top_k, draft_cutoff=0.0, verify_ms=None) -> np.ndarray:
     """Block 4 with max_new_tokens 3: one round verifies [t1, d2, d3]; a rejection needs a second round."""
     g = torch.Generator().manual_seed(1234)
     counts = np.zeros((V, V, V))
     for _ in range(draws):
         out = speculative.speculative_generate(
             target, PROMPT, max_new_tokens=3, proposer=proposer, temperature=temperature, top_p=top_p, top_k=top_k, generator=g,
-            draft_cutoff=draft_cutoff,
+            draft_cutoff=draft_cutoff, verify_ms=verify_ms,
         )
         counts[tuple(out.tokens)] += 1
     return counts
@@ -124,6 +124,14 @@ def test_sampling_with_a_draft_cutoff_keeps_the_target_distribution(models):
     """Verifying only a confident draft prefix (sometimes none) still samples the target."""
     target, proposer = models
     counts = empirical_joint(target, proposer, 2000, 1.0, 1.0, 0, draft_cutoff=0.2)
+    assert chi_square_pvalue(counts, exact_joint(target, 1.0, 1.0, 0)) > 1e-3
+
+
+def test_sampling_with_the_prefix_chosen_by_verify_cost_keeps_the_target_distribution(models):
+    """Verifying the prefix the verify costs pick (with these costs 0, 1 or 2 drafts by the drafts' confidence, each
+    often) still samples the target."""
+    target, proposer = models
+    counts = empirical_joint(target, proposer, 2000, 1.0, 1.0, 0, verify_ms=[100.0, 150.0, 160.0])
     assert chi_square_pvalue(counts, exact_joint(target, 1.0, 1.0, 0)) > 1e-3
 
 

@@ -20,7 +20,7 @@ from flashdraft.target import (
 )
 from harness.lookup import lookup_draft
 from harness.prompt_lookup import prompt_lookup_generate
-from harness.speculative import DrafterProposer, speculative_generate
+from harness.speculative import DrafterProposer, cost_aware_prefix, measure_verify_ms, speculative_generate
 from harness.tree import build_tree, follow, greedy_path, tree_mask
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")  # the reference's own calls
@@ -173,6 +173,38 @@ def test_draft_cutoff_verifies_a_confident_prefix_and_stays_lossless(setup, cuto
         assert set(verified) == {0}
     with pytest.raises(ValueError, match="draft_cutoff"):
         speculative_generate(target, prompts[0], max_new_tokens=4, proposer=proposer, draft_cutoff=1.5)
+
+
+def test_cost_aware_prefix_weighs_draft_confidence_against_verify_cost():
+    """Expected committed tokens per ms: confident drafts are verified where an extra row is cheap, none where
+    every row costs as much as a plain step, and a prefix up to where confidence falls off in between."""
+    sure, unsure = torch.full((3, 10), -20.0), torch.zeros(3, 10)
+    sure[:, 0] = 20.0  # top probability ~1 at each position
+    flat, steep, half = [10.0] * 4, [10.0, 25.0, 40.0, 55.0], [10.0, 11.0, 12.0, 13.0]
+    assert cost_aware_prefix(sure, flat) == 3 and cost_aware_prefix(unsure, flat) == 3  # a free row never hurts
+    assert cost_aware_prefix(sure, steep) == 0  # (1 + k) / (10 + 15k): a sure token is not worth 1.5 plain steps
+    assert cost_aware_prefix(sure, steep, draft_ms=40.0) == 3  # ... once the draft is paid for, it is
+    assert cost_aware_prefix(unsure, half) == 0  # confidence 0.1: a row worth 0.1 tokens costs 10% more
+    mixed = torch.cat([sure[:2], unsure[:1]])
+    assert cost_aware_prefix(mixed, half) == 2
+    assert cost_aware_prefix(mixed, half[:2]) == 1  # never past the costs measured
+
+
+def test_verify_by_cost_stays_lossless_and_verifies_less_where_rows_cost_more(setup):
+    target, drafter, prompts, plain = setup
+    proposer = DrafterProposer(drafter, frozen_head_from_model(target))
+    costs = measure_verify_ms(target, drafter.block_size, context=64, repeats=1)
+    assert len(costs) == drafter.block_size and all(c > 0 for c in costs)
+    steep = [1.0 + 10.0 * k for k in range(drafter.block_size)]
+    verified = []
+    for verify_ms in (steep, [1.0] * drafter.block_size):
+        gens = [speculative_generate(target, p, max_new_tokens=32, proposer=proposer, verify_ms=verify_ms) for p in prompts]
+        assert [g.tokens for g in gens] == plain
+        verified.append([v for g in gens for v in g.verified_drafts])
+    assert set(verified[0]) == {0}  # every row costs 10 plain steps' worth of drafting: plain steps only
+    assert max(verified[1]) > 2 and max(a for g in gens for a in g.acceptance_lengths) > 1  # free rows: drafts verified, accepted
+    with pytest.raises(ValueError, match="set one of them"):
+        speculative_generate(target, prompts[0], max_new_tokens=4, proposer=proposer, verify_ms=costs, draft_cutoff=0.1)
 
 
 @pytest.mark.parametrize("block_size", [2, 5, 8, 16])
