@@ -80,7 +80,9 @@ def add_pictures_and_parity(report: dict, records: list[dict], out_dir: Path, me
             print(f"training.png skipped: {metrics_path} has no train or eval rows")
     except Exception as error:
         print(f"pictures incomplete ({', '.join(pictures) or 'none'} drawn): {error!r}", file=sys.stderr)
-    parity = train_serve_parity(rows, served_tau, draft_cutoff=report["settings"].get("draft_cutoff") or 0.0, replay=replay)
+    settings = report["settings"]
+    parity = train_serve_parity(rows, served_tau, draft_cutoff=settings.get("draft_cutoff") or 0.0,
+                                verify_by_cost=bool(settings.get("verify_ms")), replay=replay)
     if parity:
         parity["metrics"] = str(metrics_path)
         if (replay or {}).get("tree_tau"):  # the tree method: its replay next to its served tau

@@ -40,12 +40,13 @@ def last_eval_tau(rows) -> tuple[int, float] | None:
 
 
 CUTOFF_REASON = (
-    "The harness verified only confident draft prefixes (eval.draft_cutoff > 0), which caps served tau below "
-    "what the whole block would reach; compare with eval.draft_cutoff=0."
+    "The harness verified only draft prefixes (eval.draft_cutoff > 0 or eval.verify_by_cost), which caps served tau below "
+    "what the whole block would reach; compare with eval.draft_cutoff=0 and eval.verify_by_cost=false."
 )
 
 
-def train_serve_parity(rows, served_tau: float | None, *, draft_cutoff: float = 0.0, replay: dict | None = None) -> dict | None:
+def train_serve_parity(rows, served_tau: float | None, *, draft_cutoff: float = 0.0, verify_by_cost: bool = False,
+                       replay: dict | None = None) -> dict | None:
     """Offline tau (last eval/tau) vs served DFlash tau, with the relative gap (served - offline) / offline;
     None when either is missing. `replay` (harness.replay.replay_tau on the eval prompts' store) splits a
     large gap into where blocks start (offline -> replay) and everything else (replay -> served)."""
@@ -57,7 +58,7 @@ def train_serve_parity(rows, served_tau: float | None, *, draft_cutoff: float = 
     replay_tau = (replay or {}).get("tau")
     explanation = None
     if abs(gap) > PARITY_TOLERANCE:
-        parts = [PARITY_REASONS] + [CUTOFF_REASON] * (draft_cutoff > 0)
+        parts = [PARITY_REASONS] + [CUTOFF_REASON] * (draft_cutoff > 0 or verify_by_cost)
         if replay_tau:
             parts.append(
                 f"Replaying the served rounds offline on the stored responses of the same prompts gives tau {replay_tau:.3f}: "

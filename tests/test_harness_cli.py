@@ -157,6 +157,15 @@ def test_trained_drafter_is_loaded_and_sampling_runs(target_dir, tmp_path):
     assert "warning" not in report
 
 
+def test_verify_by_cost_times_the_rows_and_stays_lossless(target_dir, tmp_path, capsys):
+    report = run(compose_config(overrides(target_dir, tmp_path, "eval.methods=[plain,dflash]", "eval.verify_by_cost=true")))
+    costs = report["settings"]["verify_ms"]
+    assert len(costs) == 4 and costs == sorted(costs) and costs[0] > 0  # 1..block rows, a line with slope >= 0
+    assert report["methods"]["dflash"]["lossless"] is True and "verify costs (ms, 1..4 rows)" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="verify_by_cost and eval.draft_cutoff"):
+        run(compose_config(overrides(target_dir, tmp_path, "eval.methods=[dflash]", "eval.verify_by_cost=true", "eval.draft_cutoff=0.1")))
+
+
 def test_interrupted_eval_resumes_without_rerunning_finished_prompts(target_dir, tmp_path, capsys):
     over = overrides(target_dir, tmp_path, "eval.methods=[plain,dflash]")
     first = run(compose_config(over))

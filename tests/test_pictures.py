@@ -7,7 +7,7 @@ import pytest
 
 from harness.pictures import acceptance_lengths_by_source, plot_acceptance, plot_training, running_mean
 from harness.report import methods_table, render_markdown
-from harness.training_log import PARITY_REASONS, last_eval_tau, read_metrics, train_serve_parity
+from harness.training_log import CUTOFF_REASON, PARITY_REASONS, last_eval_tau, read_metrics, train_serve_parity
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -54,6 +54,8 @@ def test_metrics_reader_and_parity(tmp_path):
     far = train_serve_parity(read, 1.2)
     assert far["relative_gap"] == pytest.approx(-0.25) and far["explanation"] == PARITY_REASONS
     assert train_serve_parity(None, 1.2) is None and train_serve_parity(read, None) is None
+    for prefixes in (dict(draft_cutoff=0.1), dict(verify_by_cost=True)):  # served verified only prefixes: said so
+        assert train_serve_parity(read, 1.2, **prefixes)["explanation"] == PARITY_REASONS + " " + CUTOFF_REASON
 
 
 def test_acceptance_picture(tmp_path):
