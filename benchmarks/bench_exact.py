@@ -4,7 +4,7 @@ Three copies of the embedded target in `--dtype` (auto: what the harness picks):
 SDPA), exact with every GEMM tile padded to 16 rows (`make_verification_exact(min_rows=16)`, the harness before
 2026-12-04) and exact with each shape padded only as far as its probe asks (`exact_base_rows`, the harness now).
 Plain greedy decoding of a few HumanEval prompts runs on each in turn, per prompt (so load drifts hit all three);
-then 8-row verify forwards over a cache of the prompt and its output. Prints mean step and verify times, their
+then 8-row verify forwards over a cache of the prompt and its output. Prints median step and verify times, their
 ratios, and checks the two exact copies give the same tokens and bit-identical verify logits."""
 
 from __future__ import annotations

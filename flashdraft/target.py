@@ -256,9 +256,6 @@ def _register_exact_attention() -> None:
 _register_exact_attention()
 
 
-_EXACT_BASE_ROWS: dict[tuple, int] = {}
-
-
 def _probe_inputs(weight: torch.Tensor, bias: bool, tile: int, cancelling: bool, g: torch.Generator):
     """A random (weight, bias, rows) of `weight`'s kind. bf16 outputs round away most differences in the order
     of an fp32 sum, so the cancelling kind hides them nowhere: each weight row holds pairs of +-2^24 (exact, and

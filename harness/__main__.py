@@ -171,9 +171,10 @@ def run(cfg: DictConfig) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     log_path = out_dir / "runs.jsonl"
     fingerprint = target_fingerprint(m.target)
+    gemm_rows = exact_gemm_rows(target)
     key = run_key(settings, methods, drafter_path, e.drafter if proposer and not untrained else None, fingerprint, dtype, device,
                   datastore_info, draft_vocab_info,
-                  {"attention": target.config._attn_implementation, "gemm_rows": exact_gemm_rows(target)})
+                  {"attention": target.config._attn_implementation, "gemm_rows": gemm_rows})
     done = {}
     if e.get("resume", True):
         done = finished_records(log_path, key, [p.seq_id for p in prompts])
@@ -224,7 +225,7 @@ def run(cfg: DictConfig) -> dict:
             "device": str(device),
             "dtype": str(dtype).removeprefix("torch."),
             "attention": target.config._attn_implementation,
-            "exact_gemm_rows": exact_gemm_rows(target),
+            "exact_gemm_rows": gemm_rows,
             "timing": TIMING_NOTE,
             **environment(),
         },

@@ -130,7 +130,6 @@ def measure_verify_ms(target, rows: int, context: int = 256, repeats: int = 5) -
     fitted by a line a + b * rows (b >= 0), since a shared CPU's noise would otherwise rank the counts at random."""
     device = target.device
     ids = torch.randint(0, target.config.vocab_size, (1, context + rows), generator=torch.Generator().manual_seed(0)).to(device)
-    costs = []
     with torch.no_grad():
         cache = DynamicCache(config=target.config)
         target(ids[:, :context], **{_cache_kwarg(target): cache}, use_cache=True, logits_to_keep=1)
@@ -302,9 +301,9 @@ def speculative_generate(
                 block[0, 1:] = sample(draft_probs, generator)
             else:
                 block[0, 1:] = draft_logits.argmax(dim=-1)
-            if draft_cutoff > 0 or verify_ms is not None:
+            if verify_ms is not None or draft_cutoff > 0:  # a chain (a tree excludes both): verify its chosen prefix
                 if verify_ms is not None:
-                    draft_ms = 1000 * sum(result.draft_s) / len(result.draft_s) if result.draft_s else 0.0
+                    draft_ms = 1000 * statistics.fmean(result.draft_s) if result.draft_s else 0.0
                     size = 1 + cost_aware_prefix(draft_logits, verify_ms, draft_ms)
                 else:
                     size = 1 + verified_prefix(draft_logits, draft_cutoff)
