@@ -138,12 +138,13 @@ def run(cfg: DictConfig) -> dict:
         datastore_ngram=int(e.get("datastore_ngram") or 4), datastore_min_ngram=int(e.get("datastore_min_ngram") or 2),
         datastore_min_count=int(e.get("datastore_min_count") or 2), seed=e.seed,
     )
-    if e.get("verify_by_cost") and "dflash" in methods:
+    if e.get("verify_by_cost") and any(mt.startswith("dflash") for mt in methods):
         if settings.draft_cutoff > 0:
             raise ValueError(f"eval.verify_by_cost and eval.draft_cutoff={settings.draft_cutoff} both choose what dflash verifies: set one of them")
-        costs = measure_verify_ms(target, block_size)
+        trees = any(mt != "dflash" and mt.startswith("dflash") for mt in methods)  # they verify up to 1 + tree_size rows
+        costs = measure_verify_ms(target, max(block_size, 1 + settings.tree_size) if trees else block_size)
         settings = replace(settings, verify_ms=tuple(round(c, 2) for c in costs))
-        print("verify costs (ms, 1.." + str(block_size) + " rows): " + ", ".join(f"{c:.1f}" for c in costs))
+        print(f"verify costs (ms, 1..{len(costs)} rows): " + ", ".join(f"{c:.1f}" for c in costs))
     prompts = build_prompts(
         tokenizer, OmegaConf.to_object(e.prompts) if OmegaConf.is_config(e.prompts) else e.prompts,
         split=e.split, limit=e.limit, system_prompt=m.chat.system_prompt, enable_thinking=m.chat.enable_thinking,

@@ -64,7 +64,7 @@ class DecodeSettings:
     block_size: int | None = None  # None: the drafter's
     prompt_lookup_num_tokens: int = 10
     draft_cutoff: float = 0.0  # dflash: verify the draft prefix of cumulative draft probability >= this (0: all)
-    verify_ms: tuple[float, ...] | None = None  # dflash: the measured cost of a verify of 1, 2, ... rows; the prefix verified is chosen by it
+    verify_ms: tuple[float, ...] | None = None  # dflash*: the measured cost of a verify of 1, 2, ... rows; the chain's prefix and the trees' first nodes verified are chosen by it
     tree_size: int = 7  # dflash_tree: draft candidates verified a round
     tree_branching: int = 4  # dflash_tree: candidate tokens a block position
     lookup_ngram: int = 3  # dflash_lookup: a round verifies a lookup draft where the newest this-many tokens occurred before
@@ -149,7 +149,7 @@ def run_method(method, target, prompt: EvalPrompt, settings: DecodeSettings, *, 
     if method == "dflash_tree":
         return speculative_generate(
             target, prompt.input_ids, proposer=proposer, block_size=settings.block_size, generator=generator,
-            tree_size=settings.tree_size, tree_branching=settings.tree_branching, **common,
+            tree_size=settings.tree_size, tree_branching=settings.tree_branching, verify_ms=settings.verify_ms, **common,
         )
     if method in LOOKUP_METHODS:
         if method == "dflash_datastore" and datastore is None:
@@ -158,7 +158,7 @@ def run_method(method, target, prompt: EvalPrompt, settings: DecodeSettings, *, 
             target, prompt.input_ids, proposer=proposer, block_size=settings.block_size, generator=generator,
             tree_size=settings.tree_size, tree_branching=settings.tree_branching, lookup_ngram=settings.lookup_ngram,
             lookup_tokens=settings.prompt_lookup_num_tokens, datastore=datastore if method == "dflash_datastore" else None,
-            **common,
+            verify_ms=settings.verify_ms, **common,
         )
     raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
 

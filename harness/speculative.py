@@ -30,7 +30,7 @@ from flashdraft.model import extract_context_feature
 from flashdraft.sampling import check_sampling, sample, sampling_probs
 from harness.lookup import draft_without_drafter
 from harness.sampling import greedy_accept, rejection_sample
-from harness.tree import build_tree, greedy_path, tree_mask
+from harness.tree import build_tree, first_nodes, greedy_path, tree_mask
 
 
 class DrafterProposer:
@@ -112,16 +112,25 @@ def verified_prefix(draft_logits: torch.Tensor, cutoff: float) -> int:
     return int((torch.cumprod(confidence, 0) >= cutoff).sum())
 
 
-def cost_aware_prefix(draft_logits: torch.Tensor, verify_ms, draft_ms: float = 0.0) -> int:
-    """How many leading drafts to verify for the most committed tokens per ms: k maximizing
-    (1 + sum_{i<=k} c_i) / (draft_ms + verify_ms[k]), c_i the cumulative confidence (top draft probability) of the
-    first i drafts taken as the chance they are all accepted, verify_ms[k] the cost of a target forward over k + 1
-    rows. Like `verified_prefix` it reads the draft distributions only, never the drawn tokens."""
-    confidence = torch.softmax(draft_logits.float(), dim=-1).amax(dim=-1)
-    n = min(len(confidence), len(verify_ms) - 1)
-    expected = 1 + torch.cat([confidence.new_zeros(1), torch.cumsum(torch.cumprod(confidence[:n], 0), 0)])
+def cost_aware_count(path_probs, verify_ms, draft_ms: float = 0.0) -> int:
+    """How many of the draft nodes (in an order where every node's parent comes first) to verify for the most
+    committed tokens per ms: k maximizing (1 + sum_{i<=k} p_i) / (draft_ms + verify_ms[k]), p_i the draft's
+    probability of node i's path (the chance it is accepted, taking the draft at its word), verify_ms[k] the
+    cost of a target forward over k + 1 rows; of equal rates, the fewest rows."""
+    p = torch.as_tensor(path_probs, dtype=torch.float64)
+    n = min(len(p), len(verify_ms) - 1)
+    expected = 1 + torch.cat([p.new_zeros(1), torch.cumsum(p[:n], 0)])
     cost = draft_ms + torch.tensor(list(verify_ms[: n + 1]), dtype=expected.dtype)
-    return int(torch.argmax(expected / cost))
+    rate = expected / cost
+    return int((rate >= rate.max() * (1 - 1e-6)).nonzero()[0])  # a tie (to float noise) goes to the fewer rows
+
+
+def cost_aware_prefix(draft_logits: torch.Tensor, verify_ms, draft_ms: float = 0.0) -> int:
+    """How many leading drafts of a chain to verify (`cost_aware_count`): the path probability of draft i is the
+    cumulative confidence (top draft probability) of the first i. Like `verified_prefix` it reads the draft
+    distributions only, never the drawn tokens."""
+    confidence = torch.softmax(draft_logits.float(), dim=-1).amax(dim=-1)
+    return cost_aware_count(torch.cumprod(confidence, 0), verify_ms, draft_ms)
 
 
 def measure_verify_ms(target, rows: int, context: int = 256, repeats: int = 5) -> list[float]:
@@ -204,7 +213,7 @@ def speculative_generate(
 
     `verify_ms` (from `measure_verify_ms`) verifies the draft prefix `cost_aware_prefix` picks instead, weighing
     the draft's confidence against what a verify of each length costs on this machine (the draft's own cost: the
-    mean of this generation's drafts so far).
+    mean of this generation's drafts so far); with `tree_size`, the tree's first nodes `cost_aware_count` picks.
 
     `tree_size` > 0 verifies a tree of that many draft candidates instead of one chain (`harness.tree`:
     the most probable paths, `tree_branching` tokens a position); greedy only.
@@ -228,8 +237,9 @@ def speculative_generate(
         raise ValueError(f"lookup rounds are greedy only (temperature 0); got lookup_ngram {lookup_ngram} at temperature {temperature}")
     if datastore is not None and temperature > 0:
         raise ValueError(f"datastore rounds are greedy only (temperature 0); got a datastore at temperature {temperature}")
-    if sum(map(bool, (tree_size, draft_cutoff > 0, verify_ms is not None))) > 1:
-        raise ValueError("tree_size, draft_cutoff and verify_ms each choose what to verify: set one of them")
+    if draft_cutoff > 0 and (tree_size or verify_ms is not None):
+        raise ValueError("draft_cutoff chooses what to verify, and so do tree_size and verify_ms: set one of them "
+                         "(tree_size and verify_ms combine: the tree's first nodes by cost)")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     block_size = block_size or (proposer.block_size if proposer is not None else 1)
@@ -274,6 +284,7 @@ def speculative_generate(
         proposer.start()
     start = n  # position of the newest committed token, whose K/V the target has not computed yet
     stopped = bool(torch.isin(output[0, n], stop))
+    drafter_s, draft_ms = [], 0.0  # the drafter's rounds (not lookup rounds) and their mean ms
     decode_start = clock(device)
     while start + 1 < max_length and not stopped:
         t0 = clock(device)
@@ -293,6 +304,8 @@ def speculative_generate(
             draft_logits = proposer(block, context, start)
             if tree_size:
                 tree = build_tree(draft_logits, tree_size, tree_branching)
+                if verify_ms is not None:
+                    tree = first_nodes(tree, cost_aware_count(tree.path_probs, verify_ms, draft_ms))
                 block = torch.cat([block[:, :1], tree.tokens[None]], dim=1)
                 verify_positions = start + torch.tensor([0, *tree.depths], device=device)[None]
                 verify_mask = tree_mask(tree, start, device)
@@ -301,9 +314,8 @@ def speculative_generate(
                 block[0, 1:] = sample(draft_probs, generator)
             else:
                 block[0, 1:] = draft_logits.argmax(dim=-1)
-            if verify_ms is not None or draft_cutoff > 0:  # a chain (a tree excludes both): verify its chosen prefix
+            if tree is None and (verify_ms is not None or draft_cutoff > 0):  # a chain: verify its chosen prefix
                 if verify_ms is not None:
-                    draft_ms = 1000 * statistics.fmean(result.draft_s) if result.draft_s else 0.0
                     size = 1 + cost_aware_prefix(draft_logits, verify_ms, draft_ms)
                 else:
                     size = 1 + verified_prefix(draft_logits, draft_cutoff)
@@ -346,6 +358,9 @@ def speculative_generate(
         result.acceptance_lengths.append(produced)
         t3 = clock(device)
         result.draft_s.append(t1 - t0)
+        if drafted:
+            drafter_s.append(t1 - t0)
+            draft_ms = 1000 * statistics.fmean(drafter_s)  # what `verify_ms` weighs a round's rows against
         result.verify_s.append(t2 - t1)
         result.bookkeeping_s.append(t3 - t2)
 

@@ -40,8 +40,8 @@ def last_eval_tau(rows) -> tuple[int, float] | None:
 
 
 CUTOFF_REASON = (
-    "The harness verified only draft prefixes (eval.draft_cutoff > 0 or eval.verify_by_cost), which caps served tau below "
-    "what the whole block would reach; compare with eval.draft_cutoff=0 and eval.verify_by_cost=false."
+    "The harness verified only draft prefixes, or the trees' first nodes (eval.draft_cutoff > 0 or eval.verify_by_cost), which "
+    "caps served tau below what the whole block or tree would reach; compare with eval.draft_cutoff=0 and eval.verify_by_cost=false."
 )
 
 

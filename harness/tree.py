@@ -24,6 +24,7 @@ class DraftTree:
     tokens: torch.Tensor  # [N] the token of node j at index j - 1
     parents: tuple[int, ...]  # row of each node's parent (0: the root)
     depths: tuple[int, ...]  # block position of each node (1..B-1)
+    path_probs: tuple[float, ...] = ()  # draft probability of each node's path from the root (best-first: falling)
 
     @property
     def size(self) -> int:
@@ -45,7 +46,7 @@ def build_tree(draft_logits: torch.Tensor, size: int, branching: int = 4) -> Dra
     probs, ids = torch.softmax(draft_logits.float(), dim=-1).topk(min(branching, draft_logits.shape[-1]), dim=-1)
     probs, ids = probs.tolist(), ids.tolist()
     depth_max, width = len(probs), len(probs[0])
-    tokens, parents, depths = [], [], []
+    tokens, parents, depths, path_probs = [], [], [], []
     # (minus path probability, tie-break, parent row, depth, rank of the token among that depth's)
     frontier = [(-probs[0][0], 0, 0, 1, 0)]
     pushed = 1
@@ -54,6 +55,7 @@ def build_tree(draft_logits: torch.Tensor, size: int, branching: int = 4) -> Dra
         tokens.append(ids[depth - 1][rank])
         parents.append(parent)
         depths.append(depth)
+        path_probs.append(-score)
         row = len(tokens)
         if rank + 1 < width:  # the next sibling: same parent, the next token at this depth
             sibling = score / probs[depth - 1][rank] * probs[depth - 1][rank + 1] if probs[depth - 1][rank] > 0 else 0.0
@@ -62,7 +64,13 @@ def build_tree(draft_logits: torch.Tensor, size: int, branching: int = 4) -> Dra
         if depth < depth_max:  # the first child: this path extended by the next depth's top token
             heapq.heappush(frontier, (score * probs[depth][0], pushed, row, depth + 1, 0))
             pushed += 1
-    return DraftTree(torch.tensor(tokens, dtype=torch.long, device=draft_logits.device), tuple(parents), tuple(depths))
+    return DraftTree(torch.tensor(tokens, dtype=torch.long, device=draft_logits.device), tuple(parents), tuple(depths),
+                     tuple(path_probs))
+
+
+def first_nodes(tree: DraftTree, count: int) -> DraftTree:
+    """The tree of its first `count` nodes: best-first order puts every parent before its children."""
+    return DraftTree(tree.tokens[:count], tree.parents[:count], tree.depths[:count], tree.path_probs[:count])
 
 
 def tree_mask(tree: DraftTree, context: int, device=None) -> torch.Tensor:

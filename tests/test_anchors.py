@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from trainer.anchors import count_valid_anchors, draw_anchors, hard_start_weights, valid_anchor_positions
+from trainer.anchors import count_valid_anchors, draw_anchors, follow_anchors, hard_start_weights, valid_anchor_positions
 
 
 def response_mask(s, prompt_len):
@@ -75,3 +75,33 @@ def test_weighted_draws_follow_the_weights_and_stay_deterministic():
     assert 2.0 < hits[heavy].mean() / hits[light].mean() < 3.5  # below 3: drawn without replacement
     zero = np.where(np.arange(200) % 2 == 0, 1.0, 0.0)  # enough even positions for every draw: odd ones never
     assert (draw_anchors(mask, 16, 20, seed=1, epoch=0, seq_id="z", weights=zero) % 2 == 0).all()
+
+
+def test_follow_anchors_start_where_the_next_served_round_would():
+    mask = response_mask(60, 10)  # block 8: valid anchors 9..52
+    kw = dict(seed=0, epoch=0, seq_id="f")
+    # a round at a that matched L drafts starts the next at a + L + 1; 50 + 2 + 1 = 53 is no valid anchor: 50 stays
+    np.testing.assert_array_equal(follow_anchors(mask, 8, np.array([10, 20, 30, 50]), np.array([3, 7, 0, 2]), 1.0, **kw),
+                                  [14, 28, 31, 50])
+    # two follow-ons on one position: the second anchor stays where it was
+    np.testing.assert_array_equal(follow_anchors(mask, 8, np.array([10, 11]), np.array([1, 0]), 1.0, **kw), [11, 12])
+    np.testing.assert_array_equal(follow_anchors(mask, 8, np.array([10, 20]), np.array([3, 3]), 0.0, **kw), [10, 20])
+    with pytest.raises(ValueError, match="follow share"):
+        follow_anchors(mask, 8, np.array([10]), np.array([0]), 1.5, **kw)
+
+
+def test_a_share_of_the_anchors_follows_and_the_pick_is_seeded():
+    mask = response_mask(600, 50)
+    anchors = draw_anchors(mask, 8, 20, seed=0, epoch=0, seq_id="s")
+    accepted = np.arange(20) % 3
+    picks = []
+    for seq_id in ("s", "t"):
+        out = follow_anchors(mask, 8, anchors, accepted, 0.5, seed=0, epoch=0, seq_id=seq_id)
+        np.testing.assert_array_equal(out, follow_anchors(mask, 8, anchors, accepted, 0.5, seed=0, epoch=0, seq_id=seq_id))
+        assert (np.diff(out) > 0).all() and len(out) <= 20 and ((out <= 600 - 8) & mask[out + 1]).all()
+        moved = set(out.tolist()) - set(anchors.tolist())
+        assert moved <= set((anchors + accepted + 1).tolist())
+        kept = set(out.tolist()) & set(anchors.tolist())
+        assert len(kept) >= 10 and len(moved) <= 10  # half of them move (a follow-on can land on another anchor)
+        picks.append(moved)
+    assert picks[0] != picks[1]

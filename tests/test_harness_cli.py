@@ -162,6 +162,9 @@ def test_verify_by_cost_times_the_rows_and_stays_lossless(target_dir, tmp_path, 
     costs = report["settings"]["verify_ms"]
     assert len(costs) == 4 and costs == sorted(costs) and costs[0] > 0  # 1..block rows, a line with slope >= 0
     assert report["methods"]["dflash"]["lossless"] is True and "verify costs (ms, 1..4 rows)" in capsys.readouterr().out
+    trees = run(compose_config(overrides(target_dir, tmp_path / "trees", "eval.methods=[plain,dflash_tree]",
+                                         "eval.verify_by_cost=true", "eval.tree_size=6")))
+    assert len(trees["settings"]["verify_ms"]) == 7 and trees["methods"]["dflash_tree"]["lossless"] is True  # 1 + tree_size rows
     with pytest.raises(ValueError, match="verify_by_cost and eval.draft_cutoff"):
         run(compose_config(overrides(target_dir, tmp_path, "eval.methods=[dflash]", "eval.verify_by_cost=true", "eval.draft_cutoff=0.1")))
 

@@ -20,8 +20,8 @@ from flashdraft.target import (
 )
 from harness.lookup import lookup_draft
 from harness.prompt_lookup import prompt_lookup_generate
-from harness.speculative import DrafterProposer, cost_aware_prefix, measure_verify_ms, speculative_generate
-from harness.tree import build_tree, follow, greedy_path, tree_mask
+from harness.speculative import DrafterProposer, cost_aware_count, cost_aware_prefix, measure_verify_ms, speculative_generate
+from harness.tree import build_tree, first_nodes, follow, greedy_path, tree_mask
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")  # the reference's own calls
 
@@ -254,6 +254,13 @@ def test_tree_keeps_the_most_probable_paths_parents_first():
     path, token = greedy_path(tree, logits)
     assert path == [4] and int(token) == 2
     assert build_tree(probs.log(), size=50, branching=1).depths == (1, 2, 3)  # a chain when one token a position
+    assert tree.path_probs == pytest.approx([0.6, 0.33, 0.297, 0.25, 0.18, 0.162], rel=1e-6)
+    first = first_nodes(tree, 3)
+    assert first.parents == (0, 1, 2) and first.tokens.tolist() == [0, 0, 0] and first.path_probs == tree.path_probs[:3]
+    # (1 + sum p) / cost: 2 nodes 1.93 / 12, 3 nodes 2.227 / 13, 4 nodes 2.477 / 14, 5 nodes 2.657 / 15 (0.177 a ms)
+    assert cost_aware_count(tree.path_probs, [10.0 + k for k in range(7)]) == 5
+    assert cost_aware_count(tree.path_probs, [10.0 + 4 * k for k in range(7)]) == 1  # 1.6 / 14 beats 1.93 / 18
+    assert cost_aware_count(tree.path_probs, [10.0] * 3) == 2  # never past the costs measured
 
 
 class RunnerUpOracle(OracleProposer):
@@ -280,6 +287,22 @@ def test_greedy_tree_verification_is_lossless(setup, tree_size, branching):
         assert proposer.cache.length == p.shape[1] + sum(spec.acceptance_lengths[:-1])
         accepted += spec.acceptance_lengths
     assert max(accepted) > 2 if tree_size > 1 else max(accepted) <= 2
+
+
+def test_trees_by_cost_verify_their_first_nodes_and_stay_lossless(setup):
+    """tree_size with verify_ms verifies the tree's first nodes `cost_aware_count` picks: none where every row costs
+    10 plain steps, the whole tree where rows are free, and in between on measured costs; every output as plain."""
+    target, drafter, prompts, plain = setup
+    proposer = DrafterProposer(drafter, frozen_head_from_model(target))
+    costs = measure_verify_ms(target, 16, context=64, repeats=1)
+    verified = []
+    for verify_ms in ([1.0 + 10.0 * k for k in range(16)], [1.0] * 16, costs):
+        gens = [speculative_generate(target, p, max_new_tokens=32, proposer=proposer, tree_size=15, verify_ms=verify_ms)
+                for p in prompts]
+        assert [g.tokens for g in gens] == plain
+        verified.append({v for g in gens for v in g.verified_drafts[:-1]})
+    assert verified[0] == {0} and verified[1] == {15}
+    assert verified[2] <= set(range(16))
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -143,3 +143,44 @@ def test_frequent_tokens_count_the_response_tokens_of_the_training_split(tmp_pat
     assert len(words) == 10 and (np.diff(words) > 0).all()
     assert counts[words].min() >= np.delete(counts, words).max()  # no word left out is more frequent
     assert set(d.frequent_tokens(50, 50).tolist()) == set(range(50))
+
+
+def test_the_probe_counts_the_losss_accepted_drafts_and_follow_moves_anchors_by_them(tmp_path):
+    """`accepted_lengths` (the trainer's probe) gives per block the leading drafts the loss's own tau counts; the
+    batch `follow` builds anchors each block where the next served round would start."""
+    from flashdraft.model import DFlashDrafter, make_draft_config
+    from flashdraft.target import load_config, load_frozen_head
+    from tests.test_trainer_fixtures import MASK, tiny_store, tiny_target
+    from trainer.objective import accepted_lengths, forward_loss
+
+    target = tiny_target(tmp_path / "target")
+    store = tiny_store(tmp_path / "store", target, n=8)
+    d = TrainingData([store.path], layer_ids=[1, 3], block_size=4, num_anchors=6, max_length=64, mask_token_id=MASK,
+                     gamma=4.0, anchor_follow=1.0)
+    cfg = make_draft_config(load_config(str(target)), mask_token_id=MASK, num_draft_layers=2, block_size=4,
+                            target_layer_ids=[1, 3], num_target_features=2)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(cfg)
+    head = load_frozen_head(str(target), dtype=torch.float32)
+    batch = d.batch(list(range(4)), 0)
+    opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
+    for _ in range(10):  # part-trained: some blocks accept nothing, some accept several drafts
+        opt.zero_grad()
+        forward_loss(drafter, head, batch, block_size=4)[0].backward()
+        opt.step()
+    accepted = accepted_lengths(drafter, head, batch, block_size=4)
+    with torch.no_grad():
+        _, stats = forward_loss(drafter, head, batch, block_size=4)
+    real = batch.weights.view(4, -1, 4)[:, :, 1:].sum(-1) > 0
+    assert ((1 + accepted) * real).sum() == stats["accept"]
+    assert len(set(accepted[real].tolist())) >= 3, accepted
+
+    moved, share = d.follow(batch, accepted.numpy(), 0)
+    changed = 0
+    for r, (seq, old) in enumerate(batch.samples):
+        new = moved.anchors[r][moved.weights.view(4, -1, 4)[r].sum(-1) > 0].numpy()
+        allowed = set(old.tolist()) | set((old + accepted[r, : len(old)].numpy() + 1).tolist())
+        assert set(new.tolist()) <= allowed
+        changed += len(set(new.tolist()) - set(old.tolist()))
+        np.testing.assert_array_equal(moved.block_ids.view(4, -1, 4)[r, : len(new), 0], seq.input_ids[new])
+    assert changed > 0 and share == changed / sum(len(a) for _, a in batch.samples)

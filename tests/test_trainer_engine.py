@@ -179,3 +179,22 @@ def test_soft_labels_train_and_a_one_hot_teacher_gives_the_hard_label_run(setup,
     assert np.abs(np.subtract(runs["three"], runs["hard"])).max() > 1e-4, runs  # near log(V) at the start either way
     with pytest.raises(ValueError, match="hold none"):
         train(TrainConfig(**train_kwargs(tmp_path / "bad", store.path, target, soft_labels=0.5, **common)))
+
+
+def test_anchors_that_follow_the_drafters_rounds_train_and_resume_exactly(setup, tmp_path):
+    """train.anchor_follow probes the drafter on the drawn anchors and trains on where its next rounds would
+    start (the steps log the share of anchors moved), and a run resumed from a checkpoint repeats its losses."""
+    _, target, store = setup
+    common = dict(epochs=2, max_steps=6, checkpoint_every=3, keep_checkpoints=3, eval_every=0)
+    kw = train_kwargs(tmp_path, store.path, target, anchor_follow=1.0, **common)
+    run_training(tmp_path, kw)
+    full = metrics(tmp_path / "run")
+    assert len(full) == 6 and np.isfinite([m["loss"] for m in full]).all()
+    assert all(0.0 < m["anchors_moved"] <= 1.0 for m in full), [m["anchors_moved"] for m in full]
+
+    (tmp_path / "run" / "checkpoints" / "latest").write_text("step-00000003")  # as if killed after step 3's checkpoint
+    out = run_training(tmp_path, kw)
+    assert "resumed from" in out.stdout
+    resumed = metrics(tmp_path / "run")
+    assert [m["step"] for m in resumed] == list(range(1, 7))
+    np.testing.assert_allclose([m["loss"] for m in resumed], [m["loss"] for m in full], rtol=1e-6)

@@ -7,7 +7,9 @@ generator seeded by (seed, epoch, sequence id) alone: every rank, every restart,
 
 Serving does not start blocks uniformly: a round starts at the token the target had to correct, so rounds
 gather where the text is hard to predict, and a long easy run costs one round however long it is.
-`hard_start_weights` lets training draw anchors the same way, from the target's own uncertainty.
+`hard_start_weights` lets training draw anchors the same way, from the target's own uncertainty;
+`follow_anchors` moves anchors to where the drafter's own next round would start (the trainer probes the drafter
+on the drawn anchors first).
 """
 
 from __future__ import annotations
@@ -61,3 +63,29 @@ def draw_anchors(loss_mask: np.ndarray, block_size: int, num_anchors: int, *, se
         w = np.asarray(weights, dtype=np.float64)[valid] + 1e-9
         p = w / w.sum()
     return np.sort(rng.choice(valid, size=num_anchors, replace=False, p=p))
+
+
+def follow_anchors(loss_mask: np.ndarray, block_size: int, anchors: np.ndarray, accepted: np.ndarray, share: float, *,
+                   seed: int, epoch: int, seq_id: str) -> np.ndarray:
+    """Anchors where served rounds would start next: a round anchored at a whose drafts k = 1..L matched starts
+    the next one at a + L + 1 (the token the target corrected, or the one after a fully accepted block). A
+    `share` of the anchors, picked by a generator seeded like `draw_anchors`, move there; one whose follow-on is
+    no valid anchor or is taken stays, and one whose own place a follow-on took is dropped. Sorted, no repeats."""
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"follow share must be in [0, 1], got {share}")
+    anchors = np.asarray(anchors, dtype=np.int64)
+    n_move = int(round(share * len(anchors)))
+    if n_move == 0:
+        return anchors
+    rng = np.random.default_rng(stable_seed("follow", seed, epoch, seq_id))
+    moving = np.zeros(len(anchors), dtype=bool)
+    moving[rng.choice(len(anchors), size=n_move, replace=False)] = True
+    valid = set(valid_anchor_positions(loss_mask, block_size).tolist())
+    taken = set(anchors[~moving].tolist())
+    for a, n_ok in zip(anchors[moving].tolist(), np.asarray(accepted)[moving].tolist()):
+        nxt = a + int(n_ok) + 1
+        if nxt in valid and nxt not in taken:
+            taken.add(nxt)
+        else:
+            taken.add(a)
+    return np.array(sorted(taken), dtype=np.int64)

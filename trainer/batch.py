@@ -29,6 +29,7 @@ class Batch:
     seq_ids: list
     teacher_ids: torch.Tensor | None = None  # [b, N*B, k] the target's top-k tokens for each label (soft labels)
     teacher_probs: torch.Tensor | None = None  # [b, N*B, k] their probabilities, renormalised over the k
+    samples: list | None = None  # the (sequence, anchors) pairs collated, kept when the trainer moves anchors
 
     @property
     def context_len(self) -> int:

@@ -25,7 +25,7 @@ import numpy as np
 from flashdraft.prompts import hash_fraction
 from flashdraft.store import StoreReader
 from flashdraft.vocab import frequent_tokens
-from trainer.anchors import draw_anchors, hard_start_weights, stable_seed
+from trainer.anchors import draw_anchors, follow_anchors, hard_start_weights, stable_seed
 from trainer.batch import Batch, collate
 
 SORT_WINDOW = 64
@@ -68,7 +68,7 @@ class Plan:
 class TrainingData:
     def __init__(self, paths, *, layer_ids, block_size: int, num_anchors: int, max_length: int, mask_token_id: int,
                  gamma: float, seed: int = 0, heldout_fraction: float = 0.0, teacher: bool = False,
-                 anchor_uniform_share: float = 1.0):
+                 anchor_uniform_share: float = 1.0, anchor_follow: float = 0.0):
         paths = [paths] if isinstance(paths, str) else list(paths)
         if not paths:
             raise ValueError("no feature store given")
@@ -76,6 +76,9 @@ class TrainingData:
         if not 0.0 <= anchor_uniform_share <= 1.0:
             raise ValueError(f"anchor_uniform_share must be in [0, 1], got {anchor_uniform_share}")
         self.anchor_uniform_share = anchor_uniform_share  # < 1: anchors drawn toward the target's uncertain tokens
+        if not 0.0 <= anchor_follow <= 1.0:
+            raise ValueError(f"anchor_follow must be in [0, 1], got {anchor_follow}")
+        self.anchor_follow = anchor_follow  # > 0: that share of the anchors moves to where the drafter's next round starts
         self.soft_labels = teacher  # hand the target's top-k to the batches as labels
         self.teacher = teacher or anchor_uniform_share < 1.0  # read the target's top-k next tokens
         missing = [str(r.path) for r in self.readers if self.teacher and not r.teacher_topk]
@@ -153,7 +156,20 @@ class TrainingData:
             if not self.soft_labels:  # read only for the anchor weights: not collated into label tensors
                 seq.teacher_ids = seq.teacher_logp = None
             samples.append((seq, a))
-        return collate(samples, self.block_size, self.mask_token_id, self.gamma)
+        batch = collate(samples, self.block_size, self.mask_token_id, self.gamma)
+        if self.anchor_follow > 0:
+            batch.samples = samples
+        return batch
+
+    def follow(self, batch: Batch, accepted: np.ndarray, epoch: int) -> tuple[Batch, float]:
+        """The batch again with `anchor_follow` of each sequence's anchors moved to where the next served round
+        would start, given the drafts of each block the drafter got right (`accepted` [b, N], from a probe);
+        and the share of its anchors that moved."""
+        samples = [(seq, follow_anchors(seq.loss_mask, self.block_size, a, accepted[r, : len(a)], self.anchor_follow,
+                                        seed=self.seed, epoch=epoch, seq_id=seq.seq_id))
+                   for r, (seq, a) in enumerate(batch.samples)]  # fmt: skip
+        moved = sum(len(np.setdiff1d(new, old)) for (_, old), (_, new) in zip(batch.samples, samples))
+        return collate(samples, self.block_size, self.mask_token_id, self.gamma), moved / sum(len(a) for _, a in batch.samples)
 
 
 class Prefetcher:

@@ -24,6 +24,20 @@ def draft_hidden(drafter, head, batch: Batch, mask) -> torch.Tensor:
     return drafter(noise, batch.context, batch.position_ids, attention_mask=mask)
 
 
+def accepted_lengths(drafter, head, batch: Batch, *, block_size: int, attention: str = "dense", chunk: int = 1024) -> torch.Tensor:
+    """[b, N]: per block, how many leading drafts (k = 1..) equal their labels, each the argmax over all words:
+    what a greedy verification of that block would accept. No gradient."""
+    with torch.no_grad():
+        hidden = draft_hidden(drafter, head, batch, attention_mask(batch, block_size, attention))
+        b, h = hidden.shape[0], hidden.shape[-1]
+        rows = hidden.view(b, -1, block_size, h)[:, :, 1:].reshape(-1, h)
+        preds = torch.cat([(rows[i : i + chunk] @ head.lm_head.weight.T).max(dim=-1).indices for i in range(0, len(rows), chunk)])
+        labels = batch.labels.view(b, -1, block_size)[:, :, 1:].reshape(-1)
+        valid = batch.weights.view(b, -1, block_size)[:, :, 1:].reshape(-1) > 0
+        correct = ((preds == labels) & valid).view(b, -1, block_size - 1)
+        return correct.int().cumprod(dim=-1).sum(dim=-1)
+
+
 def forward_loss(drafter, head, batch: Batch, *, block_size: int, attention: str = "dense", ce_chunk: int = 1024,
                  soft_labels: float = 0.0, vocab: torch.Tensor | None = None):  # fmt: skip
     """(loss, stats) for one micro-batch already on the drafter's device; soft_labels > 0 mixes the

@@ -18,7 +18,7 @@ from trainer.data import Prefetcher, TrainingData
 from trainer.engine import build_engine, gathered_state_dict, setup_distributed_env
 from trainer.loss import summarize
 from trainer.metrics import MetricsLog
-from trainer.objective import forward_loss
+from trainer.objective import accepted_lengths, forward_loss
 from trainer.store_check import StoreMismatch, check_store
 
 
@@ -42,6 +42,7 @@ class TrainConfig:
     mask_token_id: int | None = None  # None: the stores' manifest, else chosen from the tokenizer
     num_anchors: int = 512
     anchor_uniform_share: float = 1.0  # < 1: draw the rest of the anchors toward the target's uncertain tokens
+    anchor_follow: float = 0.0  # > 0: that share of the anchors moves to where the drafter's next round would start
     gamma: float | None = None  # None: default_gamma(block_size)
     soft_labels: float = 0.0  # weight of the target's top-k distribution in the labels (0: the paper's hard labels)
     loss_vocab: int = 0  # > 0: the training softmax over the k most frequent response tokens (+ the batch's labels); eval uses all
@@ -169,7 +170,7 @@ def train(cfg: TrainConfig) -> dict:
     data = TrainingData(stores, layer_ids=layer_ids, block_size=cfg.block_size, num_anchors=cfg.num_anchors,
                         max_length=cfg.max_length, mask_token_id=mask_token_id, gamma=gamma, seed=cfg.seed,
                         heldout_fraction=cfg.heldout_fraction, teacher=cfg.soft_labels > 0,
-                        anchor_uniform_share=cfg.anchor_uniform_share)
+                        anchor_uniform_share=cfg.anchor_uniform_share, anchor_follow=cfg.anchor_follow)
     plan_args = dict(token_budget=cfg.token_budget, world_size=world, rank=rank, grad_accum=cfg.grad_accum)
     plans = [data.plan(e, **plan_args) for e in range(cfg.epochs)]
     total_steps = sum(len(p.steps) for p in plans)
@@ -274,8 +275,13 @@ def train(cfg: TrainConfig) -> dict:
                 lr = scheduler.get_last_lr()[0]
                 loss_sum = torch.zeros(2, dtype=torch.float64)  # loss, tokens
                 vec = torch.zeros(2 * cfg.block_size + 2, dtype=torch.float64)
+                moved_sum = 0.0
                 for _ in range(cfg.grad_accum):
                     batch = next(loader).to(device, dtype)
+                    if cfg.anchor_follow > 0:
+                        accepted = accepted_lengths(engine, head, batch, block_size=cfg.block_size, attention=attention)
+                        batch, moved = data.follow(batch, accepted.cpu().numpy(), epoch)
+                        batch, moved_sum = batch.to(device, dtype), moved_sum + moved
                     loss, stats = forward_loss(engine, head, batch, block_size=cfg.block_size, attention=attention, ce_chunk=cfg.ce_chunk,
                                                soft_labels=cfg.soft_labels, vocab=vocab)  # fmt: skip
                     bad = _all_sum(torch.tensor([0.0 if torch.isfinite(loss).item() else 1.0]))
@@ -295,6 +301,8 @@ def train(cfg: TrainConfig) -> dict:
                 m = summarize(_stats_from(vec, cfg.block_size), float(loss_sum[0]), cfg.grad_accum * world)
                 m.update(lr=lr, grad_norm=float(gn) if gn is not None else math.nan, tokens_per_s=float(loss_sum[1]) / dt,
                          step_time_s=dt, loader_wait_s=loader.wait_s - wait0, epoch=epoch, tokens_seen=tokens_seen)
+                if cfg.anchor_follow > 0:
+                    m["anchors_moved"] = moved_sum / cfg.grad_accum  # this rank's share of anchors at follow-on starts
                 final = m
                 if (cfg.log_every and global_step % cfg.log_every == 0) or global_step == total_steps:
                     log.log(m, global_step)
