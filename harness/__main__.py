@@ -97,7 +97,8 @@ def run_key(settings: DecodeSettings, methods, drafter_name, drafter_dir, finger
     (`verification`: how the target was made exact, which sets every method's timing)."""
     weights = Path(drafter_dir, "model.safetensors") if drafter_dir else None
     identity = {
-        "settings": {**asdict(settings), "verify_ms": settings.verify_ms is not None},  # measured anew each run "methods": list(methods), "drafter": drafter_name,
+        "settings": {**asdict(settings), "verify_ms": settings.verify_ms is not None},  # verify_ms: measured anew each run
+        "methods": list(methods), "drafter": drafter_name,
         "drafter_weights": [weights.stat().st_size, weights.stat().st_mtime_ns] if weights and weights.is_file() else None,
         "target": fingerprint, "dtype": str(dtype), "device": str(device), "threads": torch.get_num_threads(),
         "datastore": datastore, "draft_vocab": draft_vocab, "verification": verification,

@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_dir
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from harness.__main__ import run
+from harness.__main__ import run, run_key
 from tests.test_speculative import one_thread, tiny_drafter, tiny_target  # noqa: F401 (one_thread: autouse fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -190,6 +190,18 @@ def test_interrupted_eval_resumes_without_rerunning_finished_prompts(target_dir,
     assert other["settings"]["resumed_prompts"] == 0 and len(log.read_text().splitlines()) == 4
     fresh = run(compose_config([*over, "eval.max_new_tokens=10", "eval.resume=false"]))
     assert fresh["settings"]["resumed_prompts"] == 0 and len(log.read_text().splitlines()) == 4
+
+
+def test_the_resume_key_holds_the_methods_and_the_drafter():
+    from harness.evaluate import DecodeSettings
+
+    key = lambda methods, drafter, **kw: run_key(DecodeSettings(**kw), methods, drafter, None, {}, "float32", "cpu")  # noqa: E731
+    base = key(["plain", "dflash"], "a")
+    assert base == key(["plain", "dflash"], "a")
+    by_cost = key(["plain", "dflash"], "a", verify_ms=(1.0, 2.0))
+    assert by_cost != base and by_cost == key(["plain", "dflash"], "a", verify_ms=(3.0, 5.0))  # costs: timed anew each run
+    assert base != key(["plain", "dflash_tree"], "a") and base != key(["plain", "dflash"], "b")
+    assert base != key(["plain", "dflash"], "a", draft_cutoff=0.1)
 
 
 def test_missing_datastore_store_is_named(target_dir, tmp_path):
