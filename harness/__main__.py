@@ -139,10 +139,10 @@ def run(cfg: DictConfig) -> dict:
         datastore_ngram=int(e.get("datastore_ngram") or 4), datastore_min_ngram=int(e.get("datastore_min_ngram") or 2),
         datastore_min_count=int(e.get("datastore_min_count") or 2), seed=e.seed,
     )
-    if e.get("verify_by_cost") and any(mt.startswith("dflash") for mt in methods):
+    trees = bool({"dflash_tree", *LOOKUP_METHODS} & set(methods))  # the methods that verify trees
+    if e.get("verify_by_cost") and set(DRAFTER_METHODS) & set(methods):
         if settings.draft_cutoff > 0:
             raise ValueError(f"eval.verify_by_cost and eval.draft_cutoff={settings.draft_cutoff} both choose what dflash verifies: set one of them")
-        trees = any(mt != "dflash" and mt.startswith("dflash") for mt in methods)  # they verify up to 1 + tree_size rows
         costs = measure_verify_ms(target, max(block_size, 1 + settings.tree_size) if trees else block_size)
         settings = replace(settings, verify_ms=tuple(round(c, 2) for c in costs))
         print(f"verify costs (ms, 1..{len(costs)} rows): " + ", ".join(f"{c:.1f}" for c in costs))
@@ -190,7 +190,6 @@ def run(cfg: DictConfig) -> dict:
         stop_token_ids=stop_token_ids(target, tokenizer),
         log_path=log_path, warmup=e.warmup, done=done, run_key=key, loaded_target=loaded_target,
     )
-    trees = bool({"dflash_tree", *LOOKUP_METHODS} & set(methods))  # the methods that verify trees
     counts = {}
     for p in prompts:
         counts[p.source] = counts.get(p.source, 0) + 1

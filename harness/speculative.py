@@ -135,7 +135,7 @@ def cost_aware_prefix(draft_logits: torch.Tensor, verify_ms, draft_ms: float = 0
 
 def measure_verify_ms(target, rows: int, context: int = 256, repeats: int = 5) -> list[float]:
     """The wall ms of a target forward over 1..`rows` rows after a cache of `context` tokens (random ids), the
-    costs `cost_aware_prefix` weighs: the medians of `repeats` timings a row count, interleaved over the counts,
+    costs `cost_aware_count` weighs: the medians of `repeats` timings a row count, interleaved over the counts,
     fitted by a line a + b * rows (b >= 0), since a shared CPU's noise would otherwise rank the counts at random."""
     device = target.device
     ids = torch.randint(0, target.config.vocab_size, (1, context + rows), generator=torch.Generator().manual_seed(0)).to(device)

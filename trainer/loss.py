@@ -86,6 +86,12 @@ class _ChunkedLinearCE(torch.autograd.Function):
         return grad * grad_loss.to(grad.dtype), None, None, None, None, None
 
 
+def leading_matches(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Per block ([blocks, B] bools, position 0 the anchor): how many positions k = 1.. in a row have a valid
+    label predicted right, the drafts a greedy verification would accept."""
+    return (correct[:, 1:] & valid[:, 1:]).int().cumprod(dim=1).sum(dim=1)
+
+
 def block_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, block_size: int,
                chunk: int = 1024, soft: tuple | None = None, vocab: torch.Tensor | None = None):  # fmt: skip
     """hidden [b, N*B, H], labels/weights [b, N*B] -> (loss, stats).
@@ -122,7 +128,7 @@ def block_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Te
     correct = correct.view(-1, block_size)  # [blocks, B]
     valid = rows.view(-1, block_size)
     real = valid.any(dim=1)  # padded blocks (and blocks with no valid label) are not counted
-    leading = (correct[:, 1:] & valid[:, 1:]).int().cumprod(dim=1).sum(dim=1)
+    leading = leading_matches(correct, valid)
     stats = {
         "weight": total_w.detach().float(),
         "pos_correct": correct.sum(0).float(),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from trainer.batch import Batch
-from trainer.loss import block_loss
+from trainer.loss import block_loss, leading_matches
 from trainer.masks import dense_block_mask, flex_block_mask
 
 
@@ -30,12 +30,12 @@ def accepted_lengths(drafter, head, batch: Batch, *, block_size: int, attention:
     with torch.no_grad():
         hidden = draft_hidden(drafter, head, batch, attention_mask(batch, block_size, attention))
         b, h = hidden.shape[0], hidden.shape[-1]
-        rows = hidden.view(b, -1, block_size, h)[:, :, 1:].reshape(-1, h)
+        rows = hidden.view(b, -1, block_size, h)[:, :, 1:].reshape(-1, h)  # the anchor's own output predicts nothing
         preds = torch.cat([(rows[i : i + chunk] @ head.lm_head.weight.T).max(dim=-1).indices for i in range(0, len(rows), chunk)])
-        labels = batch.labels.view(b, -1, block_size)[:, :, 1:].reshape(-1)
-        valid = batch.weights.view(b, -1, block_size)[:, :, 1:].reshape(-1) > 0
-        correct = ((preds == labels) & valid).view(b, -1, block_size - 1)
-        return correct.int().cumprod(dim=-1).sum(dim=-1)
+        labels = batch.labels.view(-1, block_size)
+        correct = torch.zeros_like(labels, dtype=torch.bool)
+        correct[:, 1:] = preds.view(-1, block_size - 1) == labels[:, 1:]
+        return leading_matches(correct, batch.weights.view(-1, block_size) > 0).view(b, -1)
 
 
 def forward_loss(drafter, head, batch: Batch, *, block_size: int, attention: str = "dense", ce_chunk: int = 1024,
