@@ -59,3 +59,24 @@ def test_profiles_compose_for_every_stage(name):
     held = profile(name, data="heldout")
     assert held.data.split == "heldout" and list(held.data.sources) == list(held.eval.prompts)
     assert held.data.limit == held.eval.limit and held.data.max_new_tokens == held.eval.max_new_tokens
+
+
+def test_training_dtype_times_the_cpu_and_a_resumed_run_keeps_its_checkpoints():
+    import math
+
+    import torch
+
+    from flashdraft.target import cpu_bf16_gemm_speedup
+    from trainer.train import training_dtype
+
+    cpu = torch.device("cpu")
+    speedup = cpu_bf16_gemm_speedup()
+    assert math.isfinite(speedup) and speedup > 0 and cpu_bf16_gemm_speedup() == speedup  # timed once a process
+    assert training_dtype("auto", cpu) == (torch.bfloat16 if speedup > 1 else torch.float32)
+    assert training_dtype("float32", cpu) == torch.float32 and training_dtype("bfloat16", cpu) == torch.bfloat16
+    for saved in ("bfloat16", "float32"):
+        assert training_dtype("auto", cpu, resumed=saved) == getattr(torch, saved)
+        assert training_dtype(saved, cpu, resumed=saved) == getattr(torch, saved)
+    with pytest.raises(ValueError, match="train.dtype=float32 cannot resume a run saved in bfloat16"):
+        training_dtype("float32", cpu, resumed="bfloat16")
+    assert training_dtype("float32", cpu, resumed="legacy") == torch.float32  # checkpoints before the dtype was saved

@@ -198,3 +198,24 @@ def test_anchors_that_follow_the_drafters_rounds_train_and_resume_exactly(setup,
     resumed = metrics(tmp_path / "run")
     assert [m["step"] for m in resumed] == list(range(1, 7))
     np.testing.assert_allclose([m["loss"] for m in resumed], [m["loss"] for m in full], rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_an_auto_dtype_resume_rebuilds_the_engine_in_the_checkpoints_dtype(setup, tmp_path, dtype):
+    """train.dtype=auto times bf16 against fp32 on a fresh run; resumed, it takes the dtype the checkpoint was
+    saved in whatever the timing says, so the losses repeat (one of the two cases goes against this CPU's choice)."""
+    import json
+
+    _, target, store = setup
+    common = dict(epochs=2, max_steps=6, checkpoint_every=3, keep_checkpoints=3, eval_every=0)
+    run_training(tmp_path, train_kwargs(tmp_path, store.path, target, **{**common, "dtype": dtype}))
+    full = metrics(tmp_path / "run")
+    saved = json.loads((tmp_path / "run" / "checkpoints" / "step-00000003" / "client_state.json").read_text())
+    assert saved["dtype"] == dtype and saved["global_step"] == 3
+
+    (tmp_path / "run" / "checkpoints" / "latest").write_text("step-00000003")
+    out = run_training(tmp_path, train_kwargs(tmp_path, store.path, target, **{**common, "dtype": "auto"}))
+    assert "resumed from" in out.stdout and "train.dtype=auto" not in out.stdout  # nothing timed on a resume
+    resumed = metrics(tmp_path / "run")
+    assert [m["step"] for m in resumed] == list(range(1, 7))
+    np.testing.assert_allclose([m["loss"] for m in resumed], [m["loss"] for m in full], rtol=1e-6)

@@ -1,7 +1,9 @@
 """Atomic checkpoints: DeepSpeed state + per-rank RNG + the drafter in the published HF format.
 
     <ckpt_root>/step-00000100/    DeepSpeed files (weights, optimizer, scheduler, client state),
-                                  rng-rank<r>.pt, drafter/ (config.json + model.safetensors)
+                                  rng-rank<r>.pt, client_state.json (the client state, readable before
+                                  an engine exists: the dtype to rebuild it in), drafter/ (config.json +
+                                  model.safetensors)
     <ckpt_root>/latest            the name of the newest complete checkpoint
 
 A checkpoint is written under `.tmp-<tag>` and renamed into place; `latest` is replaced atomically
@@ -10,6 +12,7 @@ afterwards, so a crash at any moment leaves the previous checkpoint as `latest`.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -17,6 +20,7 @@ from pathlib import Path
 import torch
 
 LATEST = "latest"
+CLIENT_STATE = "client_state.json"
 
 
 def _barrier():
@@ -80,6 +84,8 @@ def save_checkpoint(engine, root: str | Path, step: int, client_state: dict, *, 
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
     torch.save(rng, tmp_root / tag / f"rng-rank{_rank()}.pt")
+    if _rank() == 0:
+        (tmp_root / tag / CLIENT_STATE).write_text(json.dumps(client_state, indent=1, default=str) + "\n")
     if export is not None:
         export(tmp_root / tag / "drafter")
     _barrier()
@@ -95,6 +101,13 @@ def save_checkpoint(engine, root: str | Path, step: int, client_state: dict, *, 
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
+
+
+def read_client_state(root: str | Path, tag: str) -> dict | None:
+    """The client state a checkpoint was saved with, read without an engine (None for checkpoints older than
+    the file)."""
+    path = Path(root) / tag / CLIENT_STATE
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def load_checkpoint(engine, root: str | Path, tag: str) -> dict:

@@ -12,8 +12,14 @@ from tqdm import tqdm
 
 from flashdraft.model import DFlashDrafter, default_gamma, make_draft_config
 from flashdraft.store import read_manifest
-from flashdraft.target import load_frozen_head, read_target_tensors, resolve_dtype, target_fingerprint
-from trainer.checkpoint import export_drafter, latest_tag, load_checkpoint, save_checkpoint
+from flashdraft.target import (
+    cpu_bf16_gemm_speedup,
+    load_frozen_head,
+    read_target_tensors,
+    resolve_dtype,
+    target_fingerprint,
+)
+from trainer.checkpoint import export_drafter, latest_tag, load_checkpoint, read_client_state, save_checkpoint
 from trainer.data import Prefetcher, TrainingData
 from trainer.engine import build_engine, gathered_state_dict, setup_distributed_env
 from trainer.loss import summarize
@@ -57,7 +63,7 @@ class TrainConfig:
     warmup_ratio: float = 0.04
     grad_clip: float = 1.0
     zero_stage: int = 2
-    dtype: str = "auto"  # auto (bf16 on GPU and on CPUs with AMX or AVX512-BF16, else fp32) | bfloat16 | float32
+    dtype: str = "auto"  # auto (bf16 on GPU; on a CPU the faster of bf16 and fp32, timed) | bfloat16 | float32
     device: str = "auto"
     attention: str = "auto"  # auto (flex on GPU, dense on CPU) | flex | dense
     compile: str = "auto"  # torch.compile the drafter: auto = on GPU
@@ -135,6 +141,37 @@ def _layer_prefix(tensors: dict) -> str:
     raise KeyError("the target checkpoint has no decoder layer tensors")
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def training_dtype(name: str, device: torch.device, resumed: str | None = None) -> torch.dtype:
+    """The dtype a run trains in. A resumed run keeps the one its checkpoint was saved in (`resumed`; "legacy" for
+    checkpoints from before it was saved, which `auto` chose by the CPU's flags). Otherwise `auto` is bf16 on a
+    GPU, and on a CPU whichever of bf16 and fp32 runs a training-sized GEMM faster, timed on rank 0 and broadcast
+    so that every rank builds the same engine."""
+    if resumed == "legacy":
+        resumed = dtype_name(resolve_dtype(name, device))
+    if resumed:
+        if name not in ("auto", resumed):
+            raise ValueError(f"train.dtype={name} cannot resume a run saved in {resumed}: pass train.dtype=auto or "
+                             f"{resumed}, or start afresh (train.resume=false or another out_dir)")
+        return getattr(torch, resumed)
+    if name != "auto" or device.type == "cuda":
+        return resolve_dtype(name, device)
+    import torch.distributed as dist
+
+    first = not dist.is_initialized() or dist.get_rank() == 0
+    speedup = cpu_bf16_gemm_speedup() if first else 0.0  # one rank times, alone on the cores it shares
+    bf16 = torch.tensor([speedup > 1.0])
+    if dist.is_initialized():
+        dist.broadcast(bf16, src=0)
+    if first:
+        print(f"train.dtype=auto: {'bfloat16' if bf16 else 'float32'} (bf16 GEMMs run {speedup:.2f}x as fast as "
+              f"fp32 ones on this CPU)", flush=True)
+    return torch.bfloat16 if bf16 else torch.float32
+
+
 def train(cfg: TrainConfig) -> dict:
     from flashdraft.target import load_config
 
@@ -143,14 +180,12 @@ def train(cfg: TrainConfig) -> dict:
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    dtype = resolve_dtype(cfg.dtype, device)
-    if dtype not in (torch.bfloat16, torch.float32):
+    if cfg.dtype not in ("auto", "bfloat16", "float32"):
         raise ValueError(f"train.dtype must be auto, bfloat16 or float32, got {cfg.dtype!r}")
     if not 0.0 <= cfg.soft_labels <= 1.0:
         raise ValueError(f"train.soft_labels must be in [0, 1], got {cfg.soft_labels}")
     if cfg.loss_vocab < 0:
         raise ValueError(f"train.loss_vocab must be 0 (the whole vocabulary) or a number of words, got {cfg.loss_vocab}")
-    bf16 = dtype == torch.bfloat16
     attention = cfg.attention if cfg.attention != "auto" else ("flex" if use_cuda else "dense")
     # --- drafter config, checked against the stores before anything trains
     stores = [cfg.stores] if isinstance(cfg.stores, str) else list(cfg.stores)
@@ -182,6 +217,12 @@ def train(cfg: TrainConfig) -> dict:
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo")
+    out = Path(cfg.out_dir)
+    ckpt_root = out / "checkpoints"
+    tag = latest_tag(ckpt_root) if cfg.resume else None
+    saved = (read_client_state(ckpt_root, tag) or {}).get("dtype", "legacy") if tag else None
+    dtype = training_dtype(cfg.dtype, device, resumed=saved)
+    bf16 = dtype == torch.bfloat16
 
     eval_data = data
     if cfg.eval_stores:
@@ -216,10 +257,7 @@ def train(cfg: TrainConfig) -> dict:
     if cfg.compile == "true" or cfg.compile is True or (cfg.compile == "auto" and use_cuda):
         engine.compile(compile_kwargs={"dynamic": True})
 
-    out = Path(cfg.out_dir)
-    ckpt_root = out / "checkpoints"
     epoch, start_step, global_step, tokens_seen, last_saved = 0, 0, 0, 0, -1
-    tag = latest_tag(ckpt_root) if cfg.resume else None
     if tag:
         state = load_checkpoint(engine, ckpt_root, tag)
         epoch, start_step, global_step = state["epoch"], state["step_in_epoch"], state["global_step"]
@@ -228,7 +266,7 @@ def train(cfg: TrainConfig) -> dict:
         if rank == 0:
             print(f"resumed from {ckpt_root / tag}: epoch {epoch}, step {global_step}", flush=True)
     log = MetricsLog(out, enabled=rank == 0, wandb_mode=cfg.wandb_mode, project=cfg.wandb_project,
-                     entity=cfg.wandb_entity, name=cfg.run_name, config=asdict(cfg),
+                     entity=cfg.wandb_entity, name=cfg.run_name, config={**asdict(cfg), "dtype": dtype_name(dtype)},
                      resume_step=global_step if tag else 0)
 
     def export(path: Path):
@@ -241,7 +279,7 @@ def train(cfg: TrainConfig) -> dict:
     def checkpoint(epoch_, step_in_epoch):
         save_checkpoint(engine, ckpt_root, global_step,
                         {"epoch": epoch_, "step_in_epoch": step_in_epoch, "global_step": global_step,
-                         "tokens_seen": tokens_seen, "train_config": asdict(cfg)},
+                         "tokens_seen": tokens_seen, "dtype": dtype_name(dtype), "train_config": asdict(cfg)},
                         export=export, keep=cfg.keep_checkpoints)
 
     def evaluate() -> dict:
