@@ -219,3 +219,18 @@ def test_an_auto_dtype_resume_rebuilds_the_engine_in_the_checkpoints_dtype(setup
     resumed = metrics(tmp_path / "run")
     assert [m["step"] for m in resumed] == list(range(1, 7))
     np.testing.assert_allclose([m["loss"] for m in resumed], [m["loss"] for m in full], rtol=1e-6)
+
+
+def test_two_ranks_train_in_the_dtype_rank_0_timed(setup, tmp_path):
+    """With train.dtype=auto only rank 0 times bf16 against fp32; the other rank takes its answer by broadcast
+    (ranks that chose apart would build different engines), and the checkpoint records it."""
+    import json
+
+    _, target, store = setup
+    kw = train_kwargs(tmp_path, store.path, target, dtype="auto", epochs=1, max_steps=2, checkpoint_every=2,
+                      eval_every=0)
+    out = run_training(tmp_path, kw, nproc=2)
+    chosen = [line for line in out.stdout.splitlines() if line.startswith("train.dtype=auto: ")]
+    assert len(chosen) == 1, out.stdout[-2000:]
+    saved = json.loads((tmp_path / "run" / "checkpoints" / "step-00000002" / "client_state.json").read_text())
+    assert chosen[0].split()[1] == saved["dtype"] and [m["step"] for m in metrics(tmp_path / "run")] == [1, 2]
