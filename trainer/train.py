@@ -151,12 +151,12 @@ def training_dtype(name: str, device: torch.device, resumed: str | None = None) 
     GPU, and on a CPU whichever of bf16 and fp32 runs a training-sized GEMM faster, timed on rank 0 and broadcast
     so that every rank builds the same engine."""
     if resumed == "legacy":
-        resumed = dtype_name(resolve_dtype(name, device))
+        return resolve_dtype(name, device)
     if resumed:
         if name not in ("auto", resumed):
             raise ValueError(f"train.dtype={name} cannot resume a run saved in {resumed}: pass train.dtype=auto or "
                              f"{resumed}, or start afresh (train.resume=false or another out_dir)")
-        return getattr(torch, resumed)
+        return resolve_dtype(resumed, device)
     if name != "auto" or device.type == "cuda":
         return resolve_dtype(name, device)
     import torch.distributed as dist
