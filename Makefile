@@ -30,8 +30,8 @@ test: setup
 clean:
 	rm -rf runs outputs multirun
 
-# Profiles for the embedded default: PROFILE=quick (13.0 min on 2 Intel AMX cores at lr 2e-3 and 16 anchors; 19.1 on 2 AMD EPYC ones at a7a732c with the draft vocabulary) or full (~1 h capture + ~1 h
-# training on Intel; on the EPYC its two halves took 43 + 38 min of capture, README) picks data=, train= and eval= of that name and runs in runs/<profile>-<model>.
+# Profiles for the embedded default: PROFILE=quick (9-20 min on 2 cores, README) or full (~1 h capture + ~1 h
+# training on Intel; 1 h 41 min in all on an AMD EPYC Zen 5, README) picks data=, train= and eval= of that name and runs in runs/<profile>-<model>.
 ifdef PROFILE
 PROFILE_ARGS = train=$(PROFILE) eval=$(PROFILE) run_dir=runs/$(PROFILE)-$(MODEL)
 DATA_ARG = data=$(PROFILE)
