@@ -135,7 +135,7 @@ def _cpu_supports(probe_name: str) -> bool:
 
 
 def cpu_has_bf16_tiles() -> bool:
-    """AMX bf16 tiles: a bf16 matmul over 16 rows costs 10-15% more than over one row (README, *Quick profile*)."""
+    """AMX bf16 tiles: a bf16 matmul over 16 rows costs 10-15% more than over one row (docs/results.md, *Quick profile*)."""
     return _cpu_supports("_is_amx_tile_supported")
 
 
