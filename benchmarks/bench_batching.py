@@ -18,7 +18,8 @@ import time
 import torch
 
 from flashdraft.prompts import load_prompts
-from flashdraft.target import chat_input_ids, load_target, resolve_dtype, stop_token_ids, target_layer_ids
+from flashdraft.spec import capture_layer_ids
+from flashdraft.target import chat_input_ids, load_target, resolve_dtype, stop_token_ids
 from pipeline.capture import left_pad, regenerate
 
 
@@ -32,7 +33,7 @@ def main():
     args = ap.parse_args()
 
     model, tok = load_target("smollm2-135m", dtype=resolve_dtype(args.dtype, "cpu"))
-    layers = target_layer_ids(model.config, 5)
+    layers = capture_layer_ids(model.config)
     stops = stop_token_ids(model, tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else stops[0]
     records = [r for s in args.sources for r in load_prompts(s, split="train", limit=args.prompts)]
@@ -42,18 +43,29 @@ def main():
         new = 0
         for b in range(0, len(prompts), batch_size):
             ids, mask, _ = left_pad(prompts[b : b + batch_size], pad, "cpu")
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.new_tokens, do_sample=False,
-                                 eos_token_id=stops, pad_token_id=pad)  # fmt: skip
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=args.new_tokens,
+                do_sample=False,
+                eos_token_id=stops,
+                pad_token_id=pad,
+            )
             for row in out[:, ids.shape[1] :].tolist():
                 new += next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
         return new
 
     def continuous(batch_size):
-        caps = regenerate(model, prompts, layers, max_new_tokens=args.new_tokens, stop_ids=stops, pad_id=pad, batch_size=batch_size)
+        caps = regenerate(
+            model, prompts, layers, max_new_tokens=args.new_tokens, stop_ids=stops, pad_id=pad, batch_size=batch_size
+        )
         return sum(int(c.loss_mask.sum()) for c in caps)
 
-    print(f"SmolLM2-135M {args.dtype}, {len(prompts)} train prompts ({', '.join(args.sources)}; "
-          f"{len(prompts[0])}-{len(prompts[-1])} tokens), <= {args.new_tokens} new tokens, greedy, {torch.get_num_threads()} threads")
+    print(
+        f"SmolLM2-135M {args.dtype}, {len(prompts)} train prompts ({', '.join(args.sources)}; "
+        f"{len(prompts[0])}-{len(prompts[-1])} tokens), <= {args.new_tokens} new tokens, greedy, "
+        f"{torch.get_num_threads()} threads"
+    )
     with torch.inference_mode():
         regenerate(model, prompts[:4], layers, max_new_tokens=4, stop_ids=stops, pad_id=pad)  # warm-up
         t = time.perf_counter()

@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 
 from flashdraft.prompts import load_prompts
-from flashdraft.store import StoreReader, StoreWriter, bytes_per_token, dir_bytes
-from flashdraft.target import chat_input_ids, load_target, stop_token_ids, target_layer_ids
+from flashdraft.spec import capture_layer_ids
+from flashdraft.store import StoreReader, StoreWriter, bytes_per_token, shard_name, shards_bytes
+from flashdraft.target import chat_input_ids, load_target, stop_token_ids
 from pipeline.capture import left_pad, regenerate
 
 
@@ -41,15 +42,21 @@ def main():
     args = ap.parse_args()
 
     model, tok = load_target(args.target)
-    layers = target_layer_ids(model.config, 5)
+    layers = capture_layer_ids(model.config)
     stops = stop_token_ids(model, tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else stops[0]
     prompts = [chat_input_ids(tok, list(r.messages)) for r in load_prompts("humaneval", limit=args.prompts)]
     ids, mask, _ = left_pad(prompts, pad, "cpu")
 
     def plain():
-        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.new_tokens, do_sample=False,
-                              eos_token_id=stops, pad_token_id=pad)  # fmt: skip
+        return model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=args.new_tokens,
+            do_sample=False,
+            eos_token_id=stops,
+            pad_token_id=pad,
+        )
 
     def ours():
         return regenerate(model, prompts, layers, max_new_tokens=args.new_tokens, stop_ids=stops, pad_id=pad)
@@ -57,12 +64,16 @@ def main():
     with torch.inference_mode():
         plain(), ours()  # warm-up
         (t_plain, t_ours), (gen, caps) = best_interleaved([plain, ours], args.repeats)
+    width = ids.shape[1]
     same = all(
-        c.input_ids[len(p):].tolist() == [t for t in g[ids.shape[1]:].tolist()][: len(c.input_ids) - len(p)]
+        c.input_ids[len(p) :].tolist() == g[width:].tolist()[: len(c.input_ids) - len(p)]
         for p, c, g in zip(prompts, caps, gen)
-    )  # fmt: skip
+    )
     new = sum(int(c.loss_mask.sum()) for c in caps)
-    print(f"target {args.target}, {len(prompts)} HumanEval prompts, batch {len(prompts)}, <= {args.new_tokens} new tokens, greedy")
+    print(
+        f"target {args.target}, {len(prompts)} HumanEval prompts, batch {len(prompts)}, "
+        f"<= {args.new_tokens} new tokens, greedy"
+    )
     print(f"plain generate           {t_plain:7.2f} s  ({new / t_plain:6.1f} new tokens/s)")
     print(f"regenerate + capture     {t_ours:7.2f} s  ({new / t_ours:6.1f} new tokens/s)  same tokens: {same}")
     print(f"capture overhead ratio   {t_ours / t_plain:7.3f}x  (goal <= 1.10x)")
@@ -74,13 +85,13 @@ def main():
             store = Path(tmp) / dtype
             t = time.perf_counter()
             w = StoreWriter(store, layer_ids=layers, hidden_size=H, dtype=dtype)
-            with w.shard("shard-00000") as sh:
+            with w.shard(shard_name(0)) as sh:
                 for k, c in enumerate(caps):
                     sh.append(f"s{k}", c.input_ids, c.loss_mask, c.features)
             w.register(sh.info())
             dt = time.perf_counter() - t
             raw = tokens * bytes_per_token(len(layers), H, dtype)
-            disk = dir_bytes(store / "shards")
+            disk = shards_bytes(store)
             r = StoreReader(store)
             t = time.perf_counter()
             for i in torch.randperm(len(r)).tolist():
@@ -88,7 +99,8 @@ def main():
             rd = (time.perf_counter() - t) / len(r)
             print(
                 f"store {dtype:12s} write {raw / dt / 2**20:7.1f} MB/s {tokens / dt:8.0f} tokens/s | "
-                f"{disk / tokens:6.0f} bytes/token on disk, compression {raw / disk:4.2f}x | random read {rd * 1e3:5.1f} ms/seq"
+                f"{disk / tokens:6.0f} bytes/token on disk, compression {raw / disk:4.2f}x | "
+                f"random read {rd * 1e3:5.1f} ms/seq"
             )
     print(f"({tokens} tokens, {len(layers)} layers x hidden {H}; write includes fsync and the atomic rename)")
 

@@ -24,16 +24,34 @@ import warnings
 from pathlib import Path
 
 SKIP_MODULES = {
-    "antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "test", "lib2to3", "ensurepip", "venv",
-    "pydoc_data", "msilib", "winreg", "winsound", "nt", "msvcrt", "_winapi", "xxsubtype", "xxlimited",
+    "antigravity",
+    "this",
+    "idlelib",
+    "tkinter",
+    "turtle",
+    "turtledemo",
+    "test",
+    "lib2to3",
+    "ensurepip",
+    "venv",
+    "pydoc_data",
+    "msilib",
+    "winreg",
+    "winsound",
+    "nt",
+    "msvcrt",
+    "_winapi",
+    "xxsubtype",
+    "xxlimited",
 }
 
 TEMPLATES = (
     "Write a Python function that does the following, in the spirit of `{qual}` from the `{module}` module: {summary} "
     "Do not call `{qual}` itself. Include a docstring and a short usage example.",
     "Explain what `{module}.{qual}` does in Python, when you would use it, and show a small example.\n\n"
-    "Its documentation begins: \"{summary}\"",
-    "I am learning Python's `{module}` module. Show me two practical examples that use `{qual}` and explain the output.",
+    'Its documentation begins: "{summary}"',
+    "I am learning Python's `{module}` module. "
+    "Show me two practical examples that use `{qual}` and explain the output.",
     "What are common mistakes when using `{module}.{qual}`? Show a buggy snippet and the corrected version.",
     "Write unit tests with pytest for a function that behaves like `{module}.{qual}`: {summary}",
     "Compare `{module}.{qual}` with an alternative way to achieve the same result in Python. "
@@ -41,8 +59,8 @@ TEMPLATES = (
 )
 
 TOPIC_TEMPLATES = (
-    "Explain the Python language feature \"{topic}\" for an intermediate programmer, with code examples.",
-    "Write a short tutorial on \"{topic}\" in Python, ending with a small exercise and its solution.",
+    'Explain the Python language feature "{topic}" for an intermediate programmer, with code examples.',
+    'Write a short tutorial on "{topic}" in Python, ending with a small exercise and its solution.',
 )
 
 
@@ -76,11 +94,19 @@ def _stdlib_items() -> dict[str, list[tuple]]:
     """doc_items and stub_items as a fresh interpreter that sees only the standard library (-I -S) finds them."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp, "items.json")
-        done = subprocess.run([sys.executable, "-I", "-S", str(Path(__file__).resolve()), str(out)], env={"LC_ALL": "C.UTF-8"},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=900)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-I", "-S", str(Path(__file__).resolve()), str(out)],
+            env={"LC_ALL": "C.UTF-8"},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=900,
+        )
         if done.returncode != 0 or not out.is_file():
-            raise RuntimeError(f"reading the standard library's docstrings in {sys.executable} -I -S failed "
-                               f"(exit {done.returncode}): {done.stderr[-2000:]}")
+            raise RuntimeError(
+                f"reading the standard library's docstrings in {sys.executable} -I -S failed "
+                f"(exit {done.returncode}): {done.stderr[-2000:]}"
+            )
         items = json.loads(out.read_text(encoding="utf-8"))
     return {kind: [tuple(item) for item in rows] for kind, rows in items.items()}
 
@@ -91,7 +117,8 @@ def doc_items() -> list[tuple[str, str, str]]:
 
 
 def stub_items() -> list[tuple[str, str, str, str]]:
-    """(module, qualified name, signature, docstring) of the stdlib's documented functions and methods written in Python."""
+    """(module, qualified name, signature, docstring) of the stdlib's documented functions and methods written in
+    Python."""
     return _stdlib_items()["stub"]
 
 
@@ -148,8 +175,12 @@ def _literal(default) -> bool:
     """A default a stub can show: not an object whose repr is the machine's (os.environ, <object at 0x..>, paths)."""
     if isinstance(default, (tuple, frozenset)):
         return all(_literal(d) for d in default)
-    return default is inspect.Parameter.empty or default is None or type(default) in (bool, int, float, complex) or (
-        type(default) in (str, bytes) and len(default) <= 40 and "/" not in str(default))
+    return (
+        default is inspect.Parameter.empty
+        or default is None
+        or type(default) in (bool, int, float, complex)
+        or (type(default) in (str, bytes) and len(default) <= 40 and "/" not in str(default))
+    )
 
 
 def _stub_items_here() -> list[tuple[str, str, str, str]]:
@@ -157,7 +188,11 @@ def _stub_items_here() -> list[tuple[str, str, str, str]]:
     for module_name, name, obj in _stdlib_public_objects():
         members = [(name, obj)] if inspect.isfunction(obj) else []
         if inspect.isclass(obj):
-            members = [(f"{name}.{a}", m) for a, m in sorted(vars(obj).items()) if not a.startswith("_") and inspect.isfunction(m)]
+            members = [
+                (f"{name}.{a}", m)
+                for a, m in sorted(vars(obj).items())
+                if not a.startswith("_") and inspect.isfunction(m)
+            ]
         for qual, fn in members:
             doc = inspect.getdoc(fn) or ""
             try:

@@ -32,85 +32,17 @@ from transformers.models.qwen3.modeling_qwen3 import (
     rotate_half,
 )
 
+from flashdraft.spec import DraftSpec
+
 try:  # FlexAttention: block-sparse kernels on GPU (and a compiled forward on CPU).
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 except ImportError:  # pragma: no cover - torch without FlexAttention
     BlockMask, flex_attention = None, None
 
-DEFAULT_BLOCK_SIZE = 16
-DEFAULT_DRAFT_LAYERS = 5
-DEFAULT_TARGET_FEATURES = 5
-
-
-def build_target_layer_ids(num_target_layers: int, num_features: int = DEFAULT_TARGET_FEATURES) -> list[int]:
-    """Reference layer ids: round(1 + i*(L-4)/(n-1)); n = 1 gives [L//2]."""
-    if num_features < 1:
-        raise ValueError(f"num_features must be >= 1, got {num_features}")
-    if num_features == 1:
-        return [num_target_layers // 2]
-    span = num_target_layers - 4
-    return [round(1 + i * span / (num_features - 1)) for i in range(num_features)]
-
 
 def extract_context_feature(hidden_states, layer_ids) -> torch.Tensor:
     """The output of decoder layer i is `hidden_states[i + 1]` (index 0 is the embeddings)."""
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
-
-
-def default_gamma(block_size: int) -> float:
-    """Loss decay of the paper: 7 for B=16, 5 for B=10, 4 for B=8 (linear in between)."""
-    table = {16: 7.0, 10: 5.0, 8: 4.0}
-    if block_size in table:
-        return table[block_size]
-    return max(1.0, 7.0 - (16 - block_size) / 3.0) if block_size > 8 else max(1.0, block_size / 2.0)
-
-
-def make_draft_config(
-    target_config,
-    *,
-    mask_token_id: int,
-    num_draft_layers: int = DEFAULT_DRAFT_LAYERS,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-    target_layer_ids: list[int] | None = None,
-    num_target_features: int = DEFAULT_TARGET_FEATURES,
-    intermediate_size: int | None = None,
-) -> Qwen3Config:
-    """A drafter config shaped like the target (hidden size, heads, rope) in the published format."""
-    tc = getattr(target_config, "text_config", None) or target_config
-    num_target_layers = tc.num_hidden_layers
-    if target_layer_ids is None:
-        target_layer_ids = build_target_layer_ids(num_target_layers, num_target_features)
-    target_layer_ids = [int(i) for i in target_layer_ids]
-    bad = [i for i in target_layer_ids if not 0 <= i < num_target_layers]
-    if bad:
-        raise ValueError(f"target_layer_ids {bad} outside the target's {num_target_layers} layers")
-    if not 1 <= block_size <= 64:
-        raise ValueError(f"block_size must be in 1..64, got {block_size}")
-    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-    rope = dict(getattr(tc, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(tc, "rope_theta", 10000.0)})
-    return Qwen3Config(
-        architectures=["DFlashDraftModel"],
-        vocab_size=tc.vocab_size,
-        hidden_size=tc.hidden_size,
-        intermediate_size=intermediate_size or tc.intermediate_size,
-        num_hidden_layers=num_draft_layers,
-        num_attention_heads=tc.num_attention_heads,
-        num_key_value_heads=getattr(tc, "num_key_value_heads", tc.num_attention_heads),
-        head_dim=head_dim,
-        hidden_act="silu",
-        max_position_embeddings=tc.max_position_embeddings,
-        rms_norm_eps=tc.rms_norm_eps,
-        rope_parameters=rope,
-        attention_bias=False,
-        tie_word_embeddings=False,
-        use_sliding_window=False,
-        layer_types=["full_attention"] * num_draft_layers,
-        bos_token_id=getattr(tc, "bos_token_id", None),
-        eos_token_id=getattr(tc, "eos_token_id", None),
-        block_size=block_size,
-        num_target_layers=num_target_layers,
-        dflash_config={"mask_token_id": int(mask_token_id), "target_layer_ids": target_layer_ids},
-    )
 
 
 _compiled_flex_attention = None
@@ -128,8 +60,7 @@ def _flex_attention(q, k, v, block_mask, scale):
 
 def _on_rows(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`module` (linear layers, an MLP) over x's rows as one 2-D matrix: on CPU a 3-D input with few rows takes a
-    bmm that first copies the transposed weight (a [1, 2, 576] input through a 192 x 576 projection: 0.59 ms
-    against 0.03 ms in 2-D), which made a draft several ms slower."""
+    bmm that first copies the transposed weight, which makes a small draft much slower."""
     out = module(x.reshape(-1, x.shape[-1]))
     return out.view(*x.shape[:-1], out.shape[-1])
 
@@ -216,15 +147,11 @@ class DFlashDrafter(nn.Module):
 
     def __init__(self, config: Qwen3Config):
         super().__init__()
-        dcfg = getattr(config, "dflash_config", None) or {}
-        if "mask_token_id" not in dcfg:
-            raise ValueError("drafter config needs dflash_config.mask_token_id")
         self.config = config
-        self.block_size = int(getattr(config, "block_size", DEFAULT_BLOCK_SIZE))
-        self.mask_token_id = int(dcfg["mask_token_id"])
-        self.target_layer_ids = list(
-            dcfg.get("target_layer_ids") or build_target_layer_ids(config.num_target_layers, config.num_hidden_layers)
-        )
+        self.spec = DraftSpec.from_draft_config(config)
+        self.block_size = self.spec.block_size
+        self.mask_token_id = self.spec.mask_token_id
+        self.target_layer_ids = list(self.spec.target_layer_ids)
         self.layers = nn.ModuleList([DraftLayer(config) for _ in range(config.num_hidden_layers)])
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
@@ -266,9 +193,15 @@ class DFlashDrafter(nn.Module):
                 source = f"{prefix}layers.{first + i}." + name.split(".", 2)[2]
                 if source in tensors:
                     if tensors[source].shape != own[name].shape:
-                        raise ValueError(f"{source} has shape {tuple(tensors[source].shape)}, draft {name} {tuple(own[name].shape)}")
+                        raise ValueError(
+                            f"{source} has shape {tuple(tensors[source].shape)}, draft {name} {tuple(own[name].shape)}"
+                        )
                     copied[name] = tensors[source]
-        missing = [n for n in own if n.startswith("layers.") and n not in copied and not n.endswith(("q_norm.weight", "k_norm.weight"))]
+        missing = [
+            n
+            for n in own
+            if n.startswith("layers.") and n not in copied and not n.endswith(("q_norm.weight", "k_norm.weight"))
+        ]
         if missing:
             raise KeyError(f"the target checkpoint lacks the tensors for draft {missing[:4]}...")
         if f"{prefix}norm.weight" in tensors:
@@ -326,10 +259,13 @@ class DFlashDrafter(nn.Module):
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
             raise FileNotFoundError(f"no drafter at {path}: {cfg_file} is missing")
-        config = Qwen3Config.from_dict(json.loads(cfg_file.read_text()))
-        model = cls(config)
+        raw = json.loads(cfg_file.read_text())
+        DraftSpec.from_draft_config(raw, where=str(cfg_file))  # refuse a config without geometry, naming the file
+        model = cls(Qwen3Config.from_dict(raw))
         state = load_file(str(path / "model.safetensors"))
         missing, unexpected = model.load_state_dict(state, strict=False)
         if missing or unexpected:
-            raise ValueError(f"{path}: drafter weights do not match its config: missing {missing}, unexpected {unexpected}")
+            raise ValueError(
+                f"{path}: drafter weights do not match its config: missing {missing}, unexpected {unexpected}"
+            )
         return model.to(device=device, dtype=dtype).eval()

@@ -115,7 +115,9 @@ def _package_file(package: str, *parts: str) -> Path:
     return path
 
 
-HUMANEVAL_TEMPLATE = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```"
+HUMANEVAL_TEMPLATE = (
+    "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```"
+)
 
 
 def _humaneval(heldout_fraction, rejects) -> Iterator[PromptRecord]:
@@ -138,7 +140,9 @@ def _mtbench(heldout_fraction, rejects) -> Iterator[PromptRecord]:
     for line in hits[0].read_text(encoding="utf-8").splitlines():
         row = json.loads(line)
         turns = row["turns"]
-        yield _record("mtbench", str(row["question_id"]), [{"role": "user", "content": turns[0]}], heldout_fraction, turns[1:])
+        yield _record(
+            "mtbench", str(row["question_id"]), [{"role": "user", "content": turns[0]}], heldout_fraction, turns[1:]
+        )
 
 
 def _pydocs(heldout_fraction, rejects) -> Iterator[PromptRecord]:
@@ -163,7 +167,13 @@ def _chatseeds(heldout_fraction, rejects) -> Iterator[PromptRecord]:
         yield _record("chatseeds", record_id, [{"role": "user", "content": first}], heldout_fraction, [followup])
 
 
-OFFLINE_SOURCES = {"humaneval": _humaneval, "mtbench": _mtbench, "pydocs": _pydocs, "pystubs": _pystubs, "chatseeds": _chatseeds}
+OFFLINE_SOURCES = {
+    "humaneval": _humaneval,
+    "mtbench": _mtbench,
+    "pydocs": _pydocs,
+    "pystubs": _pystubs,
+    "chatseeds": _chatseeds,
+}
 
 
 def _row_messages(row: dict) -> list | None:
@@ -225,7 +235,9 @@ HUB_SOURCES = {
         "sahil2801/CodeAlpaca-20k",
         None,
         "train",
-        lambda r: [{"role": "user", "content": (r["instruction"] + ("\n\n" + r["input"] if r.get("input") else "")).strip()}],
+        lambda r: [
+            {"role": "user", "content": (r["instruction"] + ("\n\n" + r["input"] if r.get("input") else "")).strip()}
+        ],
     ),
     **{
         f"nemotron-v2-{split}": (

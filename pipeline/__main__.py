@@ -1,8 +1,8 @@
 """`python -m pipeline [overrides]`: capture target features into the store at `features_dir`.
 
-    python -m pipeline model=smollm2-135m data.limit=8          # capture (resumes if rerun)
-    python -m pipeline estimate data=nemotron model=qwen3-8b     # bytes on disk before capture
-    python -m pipeline verify runs/smollm2-135m/features        # check a store; exit 1 on a problem
+python -m pipeline model=smollm2-135m data.limit=8          # capture (resumes if rerun)
+python -m pipeline estimate data=nemotron model=qwen3-8b     # bytes on disk before capture
+python -m pipeline verify runs/smollm2-135m/features        # check a store; exit 1 on a problem
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ for _k, _v in (("RAY_AUTH_MODE", "disabled"), ("HF_HUB_ETAG_TIMEOUT", "10"), ("H
 import hydra  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
+from flashdraft.config import register_configs  # noqa: E402
 from flashdraft.prompts import PromptSourceUnavailable  # noqa: E402
+from flashdraft.spec import capture_layer_ids, check_layer_ids, default_layer_ids  # noqa: E402
 from flashdraft.store import StoreError, verify_store  # noqa: E402
 from pipeline.capture import Sampling  # noqa: E402
 from pipeline.fleet import FleetConfig, run_fleet  # noqa: E402
@@ -24,35 +26,51 @@ from pipeline.job import estimate, load_records, open_store, target_config  # no
 from pipeline.worker import CaptureSettings  # noqa: E402
 
 
-def settings_from(cfg: DictConfig, offline_ok: bool = False) -> CaptureSettings:
-    """Capture settings; with `offline_ok` (estimates) the layer ids come from the model yaml if the
-    target's config cannot be read."""
-    from flashdraft.model import build_target_layer_ids
-    from flashdraft.target import target_layer_ids
-
-    m, d = cfg.model, cfg.data
+def captured_layer_ids(cfg: DictConfig, offline_ok: bool = False) -> list[int]:
+    """The target layers the capture stores. With `offline_ok` (estimates) a target whose config cannot be read
+    is taken at the model yaml's word (`num_layers`)."""
+    m = cfg.model
     try:
-        layers = target_layer_ids(target_config(m.target, cfg.trust_remote_code), m.num_target_features, m.layer_ids)
+        config = target_config(m.target, cfg.trust_remote_code)
     except OSError:
         if not offline_ok:
             raise
-        layers = list(m.layer_ids or build_target_layer_ids(m.num_layers, m.num_target_features))
+        return check_layer_ids(m.layer_ids or default_layer_ids(m.num_layers, m.num_target_features), m.num_layers)
+    return capture_layer_ids(config, m.num_target_features, m.layer_ids)
+
+
+def settings_from(cfg: DictConfig, offline_ok: bool = False) -> CaptureSettings:
+    m, d = cfg.model, cfg.data
     return CaptureSettings(
-        target=str(m.target), layer_ids=tuple(layers), dtype=str(m.dtype), device=str(cfg.device), mode=str(d.mode),
-        max_new_tokens=int(d.max_new_tokens), max_length=int(d.max_length), max_prompt_tokens=int(d.max_prompt_tokens),
-        batch_size=int(d.batch_size), sampling=Sampling(**OmegaConf.to_container(d.sampling)), seed=int(cfg.seed),
-        system_prompt=m.chat.system_prompt, enable_thinking=m.chat.enable_thinking,
-        trust_remote_code=bool(cfg.trust_remote_code), torch_threads=int(max(1, cfg.cluster.cpus_per_actor)),
-    )  # fmt: skip
+        target=str(m.target),
+        layer_ids=tuple(captured_layer_ids(cfg, offline_ok)),
+        dtype=str(m.dtype),
+        device=str(cfg.device),
+        mode=str(d.mode),
+        max_new_tokens=int(d.max_new_tokens),
+        max_length=int(d.max_length),
+        max_prompt_tokens=int(d.max_prompt_tokens),
+        batch_size=int(d.batch_size),
+        sampling=Sampling(**OmegaConf.to_container(d.sampling)),
+        seed=int(cfg.seed),
+        system_prompt=m.chat.system_prompt,
+        enable_thinking=m.chat.enable_thinking,
+        trust_remote_code=bool(cfg.trust_remote_code),
+        torch_threads=int(max(1, cfg.cluster.cpus_per_actor)),
+    )
 
 
 def fleet_from(cfg: DictConfig) -> FleetConfig:
     c = cfg.cluster
     return FleetConfig(
-        num_actors=int(c.num_actors), cpus_per_actor=float(c.cpus_per_actor), gpus_per_actor=float(c.gpus_per_actor),
-        ray_address=c.ray_address, shard_size=int(cfg.data.shard_size), max_attempts=int(c.get("max_attempts", 3)),
+        num_actors=int(c.num_actors),
+        cpus_per_actor=float(c.cpus_per_actor),
+        gpus_per_actor=float(c.gpus_per_actor),
+        ray_address=c.ray_address,
+        shard_size=int(cfg.data.shard_size),
+        max_attempts=int(c.get("max_attempts", 3)),
         object_store_mb=int(c.get("object_store_mb", 256)),
-    )  # fmt: skip
+    )
 
 
 def records_from(cfg: DictConfig):
@@ -64,7 +82,10 @@ def records_from(cfg: DictConfig):
 def capture_command(cfg: DictConfig) -> int:
     settings = settings_from(cfg)
     records, rejects = records_from(cfg)
-    print(f"{len(records)} prompts ({cfg.data.split} split) from {list(cfg.data.sources)}, {len(rejects)} rejected on load")
+    print(
+        f"{len(records)} prompts ({cfg.data.split} split) from {list(cfg.data.sources)}, "
+        f"{len(rejects)} rejected on load"
+    )
     writer = open_store(cfg.features_dir, settings, sources=list(cfg.data.sources), store_options=dict(cfg.data.store))
     summary = run_fleet(cfg.features_dir, records, settings, writer, fleet_from(cfg), load_rejects=rejects)
     print("\n".join(summary.lines()))
@@ -75,14 +96,22 @@ def estimate_command(cfg: DictConfig) -> int:
     settings = settings_from(cfg, offline_ok=True)
     records, _ = records_from(cfg)
     hidden = int(cfg.model.hidden_size)
-    e = estimate(records, settings, hidden_size=hidden, dtype=cfg.data.store.dtype, store_path=cfg.features_dir,
-                 expected_response_tokens=cfg.data.expected_response_tokens,
-                 teacher_topk=int(cfg.data.store.get("teacher_topk", 0)))  # fmt: skip
+    e = estimate(
+        records,
+        settings,
+        hidden_size=hidden,
+        dtype=cfg.data.store.dtype,
+        store_path=cfg.features_dir,
+        expected_response_tokens=cfg.data.expected_response_tokens,
+        teacher_topk=int(cfg.data.store.get("teacher_topk", 0)),
+    )
     gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
     print(
-        f"{e['prompts']} prompts x ({e['mean_prompt_tokens']} prompt + {e['expected_response_tokens']} response) tokens "
+        f"{e['prompts']} prompts x ({e['mean_prompt_tokens']} prompt + {e['expected_response_tokens']} response) "
+        f"tokens "
         f"= {e['tokens']} tokens\n"
-        f"x {len(settings.layer_ids)} layers x {hidden} hidden x {cfg.data.store.dtype} = {e['bytes_per_token']} bytes/token\n"
+        f"x {len(settings.layer_ids)} layers x {hidden} hidden x {cfg.data.store.dtype} "
+        f"= {e['bytes_per_token']} bytes/token\n"
         f"estimated store size {gib(e['bytes'])} (uncompressed upper bound) vs free disk {gib(e['free_bytes'])} "
         f"at {cfg.features_dir}: {'fits' if e['fits'] else 'DOES NOT FIT'}"
     )
@@ -107,6 +136,8 @@ def verify_command(argv: list[str]) -> int:
 
 
 def _hydra(command):
+    register_configs()
+
     @hydra.main(config_path="../conf", config_name="config", version_base=None)
     def entry(cfg: DictConfig) -> None:
         try:

@@ -99,86 +99,126 @@ def regenerate(
     together, then merged into the batch's cache, left-padded to a common width), so no step is spent
     on finished rows. `max_new_tokens` may be per prompt. The response includes its stop token.
     """
-    device = next(model.parameters()).device
     limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     if len(limits) != len(prompts) or any(n < 1 for n in limits):
         raise ValueError(f"max_new_tokens must be >= 1 for every prompt, got {limits}")
-    batch_size = batch_size or max(1, len(prompts))
-    refill_at = max(1, batch_size // 8)  # free rows worth a prefill
-    stops = torch.as_tensor(stop_ids or [-1], device=device)
-    step = dict(use_cache=True, output_hidden_states=True, logits_to_keep=1)
-    waiting, results = deque(range(len(prompts))), [None] * len(prompts)
-    rows: list[int] = []  # prompt index of each batch row
-    cache = mask = pos = tok = lengths = ending = stopped = None
-    tokens, feats, teacher = {}, {}, {}
+    decode = _ContinuousDecode(model, prompts, layer_ids, limits, stop_ids, pad_id, sampling, generator, teacher_topk)
+    return decode.run(batch_size or max(1, len(prompts)))
 
-    def choose(logits, row_limits):
-        nonlocal lengths
-        new = pick_tokens(logits, sampling, generator)
-        lengths = lengths + 1
-        return new, torch.isin(new, stops), lengths >= row_limits
 
-    while waiting or rows:
-        free = batch_size - len(rows)
-        if waiting and (free >= refill_at or not rows):
-            joining = [waiting.popleft() for _ in range(min(free, len(waiting)))]
-            ids, new_mask, new_pos = left_pad([prompts[i] for i in joining], pad_id, device)
-            new_cache = _new_cache(model)
-            out = model(input_ids=ids, attention_mask=new_mask, position_ids=new_pos, cache=new_cache, **step)
-            prompt_feats = extract_context_feature(out.hidden_states, layer_ids).cpu()
-            for r, i in enumerate(joining):
-                feats[i], tokens[i] = [prompt_feats[r, ids.shape[1] - len(prompts[i]) :]], []
-            if teacher_topk:
-                top_ids, top_logp = next_token_topk(out.logits[:, -1], teacher_topk)
-                for r, i in enumerate(joining):  # nothing before the last prompt token; it predicts the first response token
-                    n = len(prompts[i]) - 1
-                    teacher[i] = [(torch.zeros(n, teacher_topk, dtype=torch.long), torch.full((n, teacher_topk), -math.inf)),
-                                  (top_ids[r : r + 1], top_logp[r : r + 1])]  # fmt: skip
-            new_tok = pick_tokens(out.logits[:, -1], sampling, generator)
-            new_stop = torch.isin(new_tok, stops)
-            new_limit = torch.as_tensor([limits[i] for i in joining], device=device)
-            new_len = torch.ones_like(new_tok)
-            if rows:
-                cache, mask = _merge_caches(cache, mask, new_cache, new_mask)
-                pos, tok = torch.cat([pos, new_pos[:, -1] + 1]), torch.cat([tok, new_tok])
-                lengths, stopped = torch.cat([lengths, new_len]), torch.cat([stopped, new_stop])
-                ending = torch.cat([ending, new_stop | (new_len >= new_limit)])
-            else:
-                cache, mask, pos, tok, lengths, stopped = new_cache, new_mask, new_pos[:, -1] + 1, new_tok, new_len, new_stop
-                ending = new_stop | (new_len >= new_limit)
-            rows += joining
-        # Feed each row's newest token: its state is that token's feature, its logits give the next token.
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos[:, None], cache=cache, **step)
-        step_feats = extract_context_feature(out.hidden_states, layer_ids)[:, 0].cpu()
-        if teacher_topk:
-            top_ids, top_logp = next_token_topk(out.logits[:, -1], teacher_topk)
-        for r, (i, t) in enumerate(zip(rows, tok.tolist())):
-            tokens[i].append(t)
-            feats[i].append(step_feats[r : r + 1])
-            if teacher_topk:
-                teacher[i].append((top_ids[r : r + 1], top_logp[r : r + 1]))
-        for r in ending.nonzero()[:, 0].tolist():
-            i = rows[r]
-            results[i] = _captured(prompts[i], tokens.pop(i), feats.pop(i), bool(stopped[r]), f"prompt {i}", teacher.pop(i, None))
-        row_limits = torch.as_tensor([limits[i] for i in rows], device=device)
-        tok, stopped, at_limit = choose(out.logits[:, -1], row_limits)
-        pos = pos + 1
-        keep = (~ending).nonzero()[:, 0]
-        ending = stopped | at_limit
-        if len(keep) < len(rows):
-            rows = [rows[r] for r in keep.tolist()]
-            if not rows:
-                continue
-            cache.batch_select_indices(keep)
-            mask, pos, tok, lengths, stopped, ending = (x[keep] for x in (mask, pos, tok, lengths, stopped, ending))
-            cache, mask = _trim_padding(cache, mask)
-    return results
+class _ContinuousDecode:
+    """The state of `regenerate`: the batch's rows (prompt indices) with their cache, attention mask, positions,
+    next tokens, response lengths and end flags, and per prompt the tokens, features and teacher rows so far."""
+
+    def __init__(self, model, prompts, layer_ids, limits, stop_ids, pad_id, sampling, generator, teacher_topk):
+        self.model, self.prompts, self.layer_ids, self.limits = model, prompts, layer_ids, limits
+        self.pad_id, self.sampling, self.generator, self.teacher_topk = pad_id, sampling, generator, teacher_topk
+        self.device = next(model.parameters()).device
+        self.stops = torch.as_tensor(stop_ids or [-1], device=self.device)
+        self.step_kwargs = dict(use_cache=True, output_hidden_states=True, logits_to_keep=1)
+        self.waiting, self.results = deque(range(len(prompts))), [None] * len(prompts)
+        self.rows: list[int] = []  # prompt index of each batch row
+        self.cache = self.mask = self.pos = self.tok = self.lengths = self.ending = self.stopped = None
+        self.tokens, self.feats, self.teacher = {}, {}, {}
+
+    def run(self, batch_size: int) -> list[Captured]:
+        refill_at = max(1, batch_size // 8)  # free rows worth a prefill
+        while self.waiting or self.rows:
+            free = batch_size - len(self.rows)
+            if self.waiting and (free >= refill_at or not self.rows):
+                self._admit([self.waiting.popleft() for _ in range(min(free, len(self.waiting)))])
+            self._step()
+        return self.results
+
+    def _admit(self, joining: list[int]) -> None:
+        """Prefill the joining prompts together and merge them into the batch."""
+        ids, new_mask, new_pos = left_pad([self.prompts[i] for i in joining], self.pad_id, self.device)
+        new_cache = _new_cache(self.model)
+        out = self.model(
+            input_ids=ids, attention_mask=new_mask, position_ids=new_pos, cache=new_cache, **self.step_kwargs
+        )
+        prompt_feats = extract_context_feature(out.hidden_states, self.layer_ids).cpu()
+        for r, i in enumerate(joining):
+            self.feats[i], self.tokens[i] = [prompt_feats[r, ids.shape[1] - len(self.prompts[i]) :]], []
+        if self.teacher_topk:
+            self._start_teacher(joining, out.logits[:, -1])
+        new_tok = pick_tokens(out.logits[:, -1], self.sampling, self.generator)
+        new_stop = torch.isin(new_tok, self.stops)
+        new_limit = torch.as_tensor([self.limits[i] for i in joining], device=self.device)
+        new_len = torch.ones_like(new_tok)
+        if self.rows:
+            self.cache, self.mask = _merge_caches(self.cache, self.mask, new_cache, new_mask)
+            self.pos, self.tok = torch.cat([self.pos, new_pos[:, -1] + 1]), torch.cat([self.tok, new_tok])
+            self.lengths, self.stopped = torch.cat([self.lengths, new_len]), torch.cat([self.stopped, new_stop])
+            self.ending = torch.cat([self.ending, new_stop | (new_len >= new_limit)])
+        else:
+            self.cache, self.mask, self.pos, self.tok = new_cache, new_mask, new_pos[:, -1] + 1, new_tok
+            self.lengths, self.stopped = new_len, new_stop
+            self.ending = new_stop | (new_len >= new_limit)
+        self.rows += joining
+
+    def _start_teacher(self, joining: list[int], last_logits: torch.Tensor) -> None:
+        """Nothing before the last prompt token; the last one's top-k predicts the first response token."""
+        k = self.teacher_topk
+        top_ids, top_logp = next_token_topk(last_logits, k)
+        for r, i in enumerate(joining):
+            n = len(self.prompts[i]) - 1
+            not_captured = (torch.zeros(n, k, dtype=torch.long), torch.full((n, k), -math.inf))
+            self.teacher[i] = [not_captured, (top_ids[r : r + 1], top_logp[r : r + 1])]
+
+    def _step(self) -> None:
+        """Feed each row's newest token: its state is that token's feature, its logits give the next token. Rows
+        that end with it leave the batch."""
+        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
+        out = self.model(
+            input_ids=self.tok[:, None],
+            attention_mask=self.mask,
+            position_ids=self.pos[:, None],
+            cache=self.cache,
+            **self.step_kwargs,
+        )
+        self._record(out)
+        for r in self.ending.nonzero()[:, 0].tolist():
+            i = self.rows[r]
+            teacher = self.teacher.pop(i, None)
+            finished = bool(self.stopped[r])
+            self.results[i] = _captured(
+                self.prompts[i], self.tokens.pop(i), self.feats.pop(i), finished, f"prompt {i}", teacher
+            )
+        row_limits = torch.as_tensor([self.limits[i] for i in self.rows], device=self.device)
+        self.tok = pick_tokens(out.logits[:, -1], self.sampling, self.generator)
+        self.lengths = self.lengths + 1
+        self.stopped, at_limit = torch.isin(self.tok, self.stops), self.lengths >= row_limits
+        self.pos = self.pos + 1
+        keep = (~self.ending).nonzero()[:, 0]
+        self.ending = self.stopped | at_limit
+        if len(keep) < len(self.rows):
+            self._keep_rows(keep)
+
+    def _record(self, out) -> None:
+        """Append each row's consumed token with its feature (and teacher row)."""
+        step_feats = extract_context_feature(out.hidden_states, self.layer_ids)[:, 0].cpu()
+        if self.teacher_topk:
+            top_ids, top_logp = next_token_topk(out.logits[:, -1], self.teacher_topk)
+        for r, (i, t) in enumerate(zip(self.rows, self.tok.tolist())):
+            self.tokens[i].append(t)
+            self.feats[i].append(step_feats[r : r + 1])
+            if self.teacher_topk:
+                self.teacher[i].append((top_ids[r : r + 1], top_logp[r : r + 1]))
+
+    def _keep_rows(self, keep: torch.Tensor) -> None:
+        self.rows = [self.rows[r] for r in keep.tolist()]
+        if not self.rows:
+            return
+        self.cache.batch_select_indices(keep)
+        kept = (x[keep] for x in (self.mask, self.pos, self.tok, self.lengths, self.stopped, self.ending))
+        self.mask, self.pos, self.tok, self.lengths, self.stopped, self.ending = kept
+        self.cache, self.mask = _trim_padding(self.cache, self.mask)
 
 
 class _GrowingLayer(DynamicLayer):
     """A DynamicLayer that appends into spare capacity instead of re-concatenating the whole cache each step
-    (a third of a batched CPU decode step went to those copies). `keys`/`values` stay views of the valid
+    (those copies are a large share of a batched CPU decode step). `keys`/`values` stay views of the valid
     columns; when something outside replaces them (row selection, trimming), the next append reallocates."""
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -187,7 +227,12 @@ class _GrowingLayer(DynamicLayer):
             self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
         n, k = self.keys.shape[2], key_states.shape[2]
         buf = getattr(self, "_buf", None)
-        if buf is None or buf[0].shape[:2] != self.keys.shape[:2] or self.keys.data_ptr() != buf[0].data_ptr() or n + k > buf[0].shape[2]:
+        if (
+            buf is None
+            or buf[0].shape[:2] != self.keys.shape[:2]
+            or self.keys.data_ptr() != buf[0].data_ptr()
+            or n + k > buf[0].shape[2]
+        ):
             capacity = max(64, 2 * (n + k))
             buf = tuple(x.new_empty(*x.shape[:2], capacity, x.shape[3]) for x in (key_states, value_states))
             buf[0][:, :, :n], buf[1][:, :, :n] = self.keys, self.values
@@ -203,8 +248,9 @@ def _new_cache(model) -> DynamicCache:
     return cache
 
 
-def _captured(prompt: list[int], response: list[int], feats: list[torch.Tensor], finished: bool, what: str,
-              teacher: list | None = None) -> Captured:  # fmt: skip
+def _captured(
+    prompt: list[int], response: list[int], feats: list[torch.Tensor], finished: bool, what: str, teacher: list | None
+) -> Captured:
     features = torch.cat(feats)
     _check_finite(features, what)
     tokens = torch.as_tensor(list(prompt) + response, dtype=torch.long)
@@ -241,12 +287,20 @@ def _trim_padding(cache: DynamicCache, mask: torch.Tensor):
 
 
 @torch.no_grad()
-def capture(model, sequences: list[list[int]], loss_masks: list, layer_ids: list[int], *, pad_id: int,
-            teacher_topk: int = 0) -> list[Captured]:  # fmt: skip
+def capture(
+    model, sequences: list[list[int]], loss_masks: list, layer_ids: list[int], *, pad_id: int, teacher_topk: int = 0
+) -> list[Captured]:
     """Capture-only: one left-padded prefill over complete sequences (prompt + existing response)."""
     device = next(model.parameters()).device
     ids, mask, pos = left_pad(sequences, pad_id, device)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, output_hidden_states=True, logits_to_keep=1)
+    out = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=pos,
+        use_cache=False,
+        output_hidden_states=True,
+        logits_to_keep=1,
+    )
     feats = extract_context_feature(out.hidden_states, layer_ids).cpu()
     width = feats.shape[1]
     head = model.get_output_embeddings()
@@ -256,5 +310,7 @@ def capture(model, sequences: list[list[int]], loss_masks: list, layer_ids: list
         _check_finite(f, f"sequence {r} of the batch")
         # hidden_states[-1] is the final-normed state the head reads; one row at a time keeps [S, V] logits small
         top = next_token_topk(head(out.hidden_states[-1][r, width - len(s) :]), teacher_topk) if teacher_topk else None
-        results.append(Captured(torch.as_tensor(s, dtype=torch.long), torch.as_tensor(m, dtype=torch.bool), f, True, top))
+        results.append(
+            Captured(torch.as_tensor(s, dtype=torch.long), torch.as_tensor(m, dtype=torch.bool), f, True, top)
+        )
     return results

@@ -8,7 +8,6 @@ every prompt already in a committed shard (captured or rejected): nothing lost, 
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field, replace
@@ -17,7 +16,17 @@ from pathlib import Path
 from tqdm import tqdm
 
 from flashdraft.prompts import PromptRecord
-from flashdraft.store import REJECTS, SHARDS, StoreWriter, dir_bytes, read_manifest
+from flashdraft.store import (
+    StoreWriter,
+    committed_seq_ids,
+    next_shard_index,
+    read_manifest,
+    shard_exists,
+    shard_name,
+    shard_rejects,
+    shards_bytes,
+    write_rejects,
+)
 from pipeline.capture import TargetNaNError
 from pipeline.worker import CaptureSettings, CaptureWorker, Task
 
@@ -60,7 +69,8 @@ class Summary:
             f"  bytes on disk {self.bytes / 2**20:.1f} MiB, {self.bytes_per_token:.0f} bytes/token",
             f"  shards committed this run {self.shards_done}; wall {self.wall_s:.1f} s, "
             f"{self.new_tokens / max(self.wall_s, 1e-9):.0f} tokens/s",
-            f"  rejects {sum(self.rejects.values())}" + "".join(f"\n    {n:6d}  {r}" for r, n in sorted(self.rejects.items(), key=lambda x: -x[1])),
+            f"  rejects {sum(self.rejects.values())}"
+            + "".join(f"\n    {n:6d}  {r}" for r, n in sorted(self.rejects.items(), key=lambda x: -x[1])),
         ]
         for f in self.failed:
             out.append(f"  FAILED shard {f['shard']} after {f['attempts']} attempt(s): {f['error']}")
@@ -72,28 +82,25 @@ def reject_reason_class(reason: str) -> str:
     return reason.split(":")[0].split(" (")[0].strip()
 
 
-def plan_tasks(records: list[PromptRecord], done: set[str], shard_size: int, first_index: int) -> tuple[list[Task], list[dict]]:
+def plan_tasks(
+    records: list[PromptRecord], done: set[str], shard_size: int, first_index: int
+) -> tuple[list[Task], list[dict]]:
     """Tasks for records not yet done; duplicate seq ids among the records are rejected."""
     pending, dupes, seen = [], [], set()
     for r in records:
         if r.seq_id in seen:
-            dupes.append({"seq_id": r.seq_id, "source": r.source, "record_id": r.record_id, "reason": "duplicate record"})
+            dupes.append(
+                {"seq_id": r.seq_id, "source": r.source, "record_id": r.record_id, "reason": "duplicate record"}
+            )
             continue
         seen.add(r.seq_id)
         if r.seq_id not in done:
             pending.append(r)
     tasks = [
-        Task(f"shard-{first_index + k:05d}", tuple(pending[i : i + shard_size]))
+        Task(shard_name(first_index + k), tuple(pending[i : i + shard_size]))
         for k, i in enumerate(range(0, len(pending), shard_size))
     ]
     return tasks, dupes
-
-
-def _shard_index(name: str) -> int:
-    try:
-        return int(name.rsplit("-", 1)[1])
-    except (IndexError, ValueError):
-        return -1
 
 
 def run_fleet(
@@ -114,41 +121,16 @@ def run_fleet(
     for name in writer.unlisted_shards():  # a crash between rename and manifest update
         writer.adopt(name)
     writer.remove_temp()
-    manifest = read_manifest(store_path)
-    done = {s for e in manifest["shards"] for s in _shard_seq_ids(store_path, e)}
-    first = 1 + max([_shard_index(e["name"]) for e in manifest["shards"]] + [-1])
-    tasks, dupes = plan_tasks(records, done, fleet.shard_size, first)
-    summary = Summary(str(store_path), shards_skipped=len(manifest["shards"]))
-    bar = tqdm(total=sum(len(t.records) for t in tasks), unit="seq", desc="capture", disable=not progress, smoothing=0.1)
-
-    def committed(result: dict) -> None:
-        info = result["info"]
-        writer.register(info)
-        summary.shards_done += 1
-        summary.new_sequences += info["sequences"]
-        summary.new_tokens += info["tokens"]
-        bar.update(info["sequences"] + len(info.get("rejects", [])))
-        bar.set_postfix(shards=f"{summary.shards_done}/{len(tasks)}", tok_s=f"{summary.new_tokens / (time.time() - t0):.0f}")
-        if on_result is not None:
-            on_result(result)
-
-    def failed(task: Task, error: BaseException, retry: bool) -> Task | None:
-        if (store_path / SHARDS / task.name).is_dir():  # it did commit before its worker died
-            writer.adopt(task.name)
-            info = next(e for e in read_manifest(store_path)["shards"] if e["name"] == task.name)
-            committed({"info": info, "pid": None, "seconds": 0.0})
-            return None
-        attempts = task.attempt + 1
-        if retry and attempts < fleet.max_attempts:
-            return replace(task, attempt=attempts)
-        summary.failed.append({"shard": task.name, "attempts": attempts, "error": f"{type(error).__name__}: {error}"[:2000]})
-        return None
-
+    tasks, dupes = plan_tasks(records, committed_seq_ids(store_path), fleet.shard_size, next_shard_index(store_path))
+    summary = Summary(str(store_path), shards_skipped=len(writer.committed))
+    total = sum(len(t.records) for t in tasks)
+    bar = tqdm(total=total, unit="seq", desc="capture", disable=not progress, smoothing=0.1)
+    book = _Bookkeeper(store_path, writer, fleet, summary, bar, len(tasks), on_result)
     try:
         if tasks and fleet.num_actors == 0:
-            _run_inline(store_path, settings, tasks, committed, failed)
+            _run_inline(store_path, settings, tasks, book.committed, book.failed)
         elif tasks:
-            _run_ray(store_path, settings, tasks, fleet, committed, failed)
+            _run_ray(store_path, settings, tasks, fleet, book.committed, book.failed)
     finally:
         bar.close()
         summary.wall_s = time.time() - t0
@@ -156,9 +138,39 @@ def run_fleet(
     return summary
 
 
-def _shard_seq_ids(store_path: Path, entry: dict) -> list[str]:
-    attrs = json.loads((store_path / SHARDS / entry["name"] / "zarr.json").read_text())["attributes"]
-    return list(attrs["seq_ids"]) + [r["seq_id"] for r in attrs.get("rejects", [])]
+class _Bookkeeper:
+    """What the fleet does with a task's outcome: list a committed shard, or retry / report a failed task."""
+
+    def __init__(
+        self, store_path: Path, writer: StoreWriter, fleet: FleetConfig, summary: Summary, bar, tasks, on_result
+    ):
+        self.store_path, self.writer, self.fleet, self.summary = store_path, writer, fleet, summary
+        self.bar, self.tasks, self.on_result, self.t0 = bar, tasks, on_result, time.time()
+
+    def committed(self, result: dict) -> None:
+        info, summary = result["info"], self.summary
+        self.writer.register(info)
+        summary.shards_done += 1
+        summary.new_sequences += info["sequences"]
+        summary.new_tokens += info["tokens"]
+        self.bar.update(info["sequences"] + len(info.get("rejects", [])))
+        rate = summary.new_tokens / (time.time() - self.t0)
+        self.bar.set_postfix(shards=f"{summary.shards_done}/{self.tasks}", tok_s=f"{rate:.0f}")
+        if self.on_result is not None:
+            self.on_result(result)
+
+    def failed(self, task: Task, error: BaseException, retry: bool) -> Task | None:
+        """The task to queue again, or None: it did commit after all, or it is out of attempts (then reported)."""
+        if shard_exists(self.store_path, task.name):  # it did commit before its worker died
+            self.writer.adopt(task.name)
+            self.committed({"info": self.writer.entry(task.name), "pid": None, "seconds": 0.0})
+            return None
+        attempts = task.attempt + 1
+        if retry and attempts < self.fleet.max_attempts:
+            return replace(task, attempt=attempts)
+        error = f"{type(error).__name__}: {error}"[:2000]
+        self.summary.failed.append({"shard": task.name, "attempts": attempts, "error": error})
+        return None
 
 
 def _run_inline(store_path, settings, tasks, committed, failed) -> None:
@@ -231,18 +243,17 @@ def _run_ray(store_path, settings, tasks, fleet: FleetConfig, committed, failed)
 
 
 def _finish(store_path: Path, writer: StoreWriter, summary: Summary, load_rejects, dupes) -> None:
-    """Rewrite rejects.jsonl (prompt-file rejects + every committed shard's) and fill the summary."""
+    """Rewrite the store's rejects (prompt-file rejects + every committed shard's) and fill the summary."""
     manifest = read_manifest(store_path)
-    rejects = [*load_rejects, *dupes, *(r for e in manifest["shards"] for r in e.get("rejects", []))]
-    tmp = store_path / (REJECTS + ".tmp")
-    with open(tmp, "w") as f:
-        for r in rejects:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    tmp.replace(store_path / REJECTS)
+    rejects = [*load_rejects, *dupes, *shard_rejects(manifest)]
+    write_rejects(store_path, rejects)
     c = manifest["counts"]
-    summary.sequences, summary.tokens, summary.response_tokens = c["sequences"], c["tokens"], c.get("response_tokens", 0)
-    summary.bytes = dir_bytes(store_path / SHARDS)
+    summary.sequences, summary.tokens, summary.response_tokens = (
+        c["sequences"],
+        c["tokens"],
+        c.get("response_tokens", 0),
+    )
+    summary.bytes = shards_bytes(store_path)
     summary.rejects = dict(Counter(reject_reason_class(r["reason"]) for r in rejects))
-    writer.update(last_run={"finished": time.strftime("%Y-%m-%dT%H:%M:%S"), "wall_s": round(summary.wall_s, 2),
-                            "failed_shards": summary.failed, "rejects": summary.rejects})  # fmt: skip
-
+    last_run = {"finished": time.strftime("%Y-%m-%dT%H:%M:%S"), "wall_s": round(summary.wall_s, 2)}
+    writer.update(last_run={**last_run, "failed_shards": summary.failed, "rejects": summary.rejects})

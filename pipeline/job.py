@@ -8,17 +8,13 @@ from pathlib import Path
 
 from flashdraft.prompts import load_prompts
 from flashdraft.store import StoreWriter, bytes_per_token
-from flashdraft.target import (
-    chat_template_hash,
-    choose_mask_token,
-    load_config,
-    load_tokenizer,
-    target_fingerprint,
-)
+from flashdraft.target import chat_input_ids, chat_template_hash, load_config, load_tokenizer, target_fingerprint
 from pipeline.worker import CaptureSettings
 
 
-def load_records(sources, *, split: str | None = "train", limit: int | Mapping | None = None, heldout_fraction: float = 0.2):
+def load_records(
+    sources, *, split: str | None = "train", limit: int | Mapping | None = None, heldout_fraction: float = 0.2
+):
     """Records of every source and the rejects found while reading them.
 
     `limit` caps each source: one number for all, or a mapping from source to its cap (sources it does not
@@ -33,7 +29,10 @@ def load_records(sources, *, split: str | None = "train", limit: int | Mapping |
         found = []
         cap = limit.get(str(source)) if isinstance(limit, Mapping) else limit
         records += load_prompts(str(source), split=split, limit=cap, heldout_fraction=heldout_fraction, rejects=found)
-        rejects += [{"seq_id": None, "source": r.source, "record_id": r.record_id, "reason": r.reason, "raw": r.raw} for r in found]
+        rejects += [
+            {"seq_id": None, "source": r.source, "record_id": r.record_id, "reason": r.reason, "raw": r.raw}
+            for r in found
+        ]
     return records, rejects
 
 
@@ -42,31 +41,40 @@ def target_config(target: str, trust_remote_code: bool = False):
 
 
 def open_store(store_path, settings: CaptureSettings, *, sources, store_options: dict) -> StoreWriter:
-    """Create the store (or reopen it to resume; it must hold the same capture) with full provenance."""
+    """Create the store (or reopen it to resume; it must hold the same capture) with full provenance. The mask
+    token is not part of it: the trainer chooses it when it makes the drafter's spec."""
     config = target_config(settings.target, settings.trust_remote_code)
     tokenizer = load_tokenizer(settings.target, settings.trust_remote_code)
     extra = {
         "target": target_fingerprint(settings.target),
         "chat_template_sha256": chat_template_hash(tokenizer),
         "vocab_size": int(config.vocab_size),
-        "mask_token_id": choose_mask_token(tokenizer, int(config.vocab_size)),
         "generation": settings.identity(),
         "sources": [str(s) for s in sources],
     }
-    return StoreWriter(store_path, layer_ids=settings.layer_ids, hidden_size=config.hidden_size, manifest_extra=extra, **store_options)
+    return StoreWriter(
+        store_path, layer_ids=settings.layer_ids, hidden_size=config.hidden_size, manifest_extra=extra, **store_options
+    )
 
 
-def estimate(records, settings: CaptureSettings, *, hidden_size: int, dtype: str, store_path, expected_response_tokens: int | None = None, sample: int = 256,
-             teacher_topk: int = 0) -> dict:  # fmt: skip
+def estimate(
+    records,
+    settings: CaptureSettings,
+    *,
+    hidden_size: int,
+    dtype: str,
+    store_path,
+    expected_response_tokens: int | None = None,
+    sample: int = 256,
+    teacher_topk: int = 0,
+) -> dict:
     """Bytes on disk before capture: prompts x expected length x layers x hidden x bytes/element.
 
     Prompt lengths are measured on a sample of rendered prompts (about 4 characters a token where
-    the tokenizer cannot be loaded); the response length is
-    `expected_response_tokens` (default half of max_new_tokens). Compression is not counted
-    (half-precision features compress 1.0-1.5x), so the figure is an upper bound.
+    the tokenizer cannot be loaded); the response length is `expected_response_tokens` (default half of
+    max_new_tokens). Compression is not counted (half-precision features barely compress), so the figure is an
+    upper bound.
     """
-    from flashdraft.target import chat_input_ids
-
     try:
         tokenizer = load_tokenizer(settings.target, settings.trust_remote_code)
     except OSError:
@@ -78,7 +86,10 @@ def estimate(records, settings: CaptureSettings, *, hidden_size: int, dtype: str
         if tokenizer is None:
             lens.append(sum(len(m["content"]) for m in msgs) / 4 + 8 * len(msgs))
         else:
-            lens.append(len(chat_input_ids(tokenizer, msgs, enable_thinking=settings.enable_thinking, system_prompt=settings.system_prompt)))
+            ids = chat_input_ids(
+                tokenizer, msgs, enable_thinking=settings.enable_thinking, system_prompt=settings.system_prompt
+            )
+            lens.append(len(ids))
     prompt = sum(lens) / max(1, len(lens))
     response = expected_response_tokens if expected_response_tokens is not None else settings.max_new_tokens / 2
     per_seq = min(settings.max_length, prompt + response)

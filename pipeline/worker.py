@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from flashdraft.prompts import PromptRecord
-from flashdraft.store import ShardWriter, StoreLayout, read_manifest
+from flashdraft.store import ShardWriter, StoreLayout, read_manifest, shard_exists
 from flashdraft.target import chat_input_ids, load_target, resolve_dtype, stop_token_ids
 from pipeline.capture import Sampling, capture, regenerate
 
@@ -83,9 +83,12 @@ class CaptureWorker:
 
     def _render(self, messages, add_generation_prompt=True) -> list[int]:
         return chat_input_ids(
-            self.tokenizer, list(messages), add_generation_prompt=add_generation_prompt,
-            enable_thinking=self.s.enable_thinking, system_prompt=self.s.system_prompt,
-        )  # fmt: skip
+            self.tokenizer,
+            list(messages),
+            add_generation_prompt=add_generation_prompt,
+            enable_thinking=self.s.enable_thinking,
+            system_prompt=self.s.system_prompt,
+        )
 
     def encode(self, record: PromptRecord) -> tuple[list[int], list[bool] | None] | str:
         """(prompt ids, None) to regenerate, (sequence ids, loss mask) to capture, or a reject reason."""
@@ -97,7 +100,8 @@ class CaptureWorker:
                     msgs.pop()
                 ids = self._render(msgs)
                 if len(ids) > s.max_prompt_tokens or len(ids) >= s.max_length:
-                    return f"prompt too long ({len(ids)} tokens; max_prompt_tokens {s.max_prompt_tokens}, max_length {s.max_length})"
+                    limits = f"max_prompt_tokens {s.max_prompt_tokens}, max_length {s.max_length}"
+                    return f"prompt too long ({len(ids)} tokens; {limits})"
                 return ids, None
             if not record.has_response:
                 return "no response to capture (capture mode needs a final assistant turn)"
@@ -110,7 +114,8 @@ class CaptureWorker:
         end = next((i + 1 for i in range(len(prefix), len(full)) if full[i] in self.stop_ids), len(full))
         full = full[:end]  # up to and including the response's stop token, as regeneration would end
         if len(prefix) > s.max_prompt_tokens or len(full) > s.max_length:
-            return f"sequence too long ({len(prefix)} prompt + {len(full) - len(prefix)} response tokens; max_length {s.max_length})"
+            lengths = f"{len(prefix)} prompt + {len(full) - len(prefix)} response tokens"
+            return f"sequence too long ({lengths}; max_length {s.max_length})"
         if len(full) == len(prefix):
             return "empty response"
         return full, [i >= len(prefix) for i in range(len(full))]
@@ -119,8 +124,7 @@ class CaptureWorker:
 
     def run(self, task: Task) -> dict:
         t0 = time.time()
-        final = os.path.join(self.store_path, "shards", task.name)
-        if os.path.isdir(final):
+        if shard_exists(self.store_path, task.name):
             raise FileExistsError(f"shard {task.name} is already committed")
         encoded = []
         with ShardWriter(self.store_path, task.name, self.layout) as shard:
@@ -137,17 +141,28 @@ class CaptureWorker:
 
     def _capture(self, encoded, seed: int):
         """Regenerate: one continuously batched decode over the task's prompts. Capture: one prefill a batch."""
-        ids = [x[1] for x in encoded]
+        ids, layers, topk, size = (
+            [x[1] for x in encoded],
+            list(self.s.layer_ids),
+            self.layout.teacher_topk,
+            self.s.batch_size,
+        )
         if self.s.mode == "capture":
             out = []
-            for b in range(0, len(ids), self.s.batch_size):
-                out += capture(self.model, ids[b : b + self.s.batch_size], [x[2] for x in encoded[b : b + self.s.batch_size]],
-                               list(self.s.layer_ids), pad_id=self.pad_id, teacher_topk=self.layout.teacher_topk)  # fmt: skip
+            for b in range(0, len(ids), size):
+                masks = [x[2] for x in encoded[b : b + size]]
+                out += capture(self.model, ids[b : b + size], masks, layers, pad_id=self.pad_id, teacher_topk=topk)
             return out
         gen = torch.Generator(device=self.model.device).manual_seed(seed) if self.s.sampling.do_sample else None
         return regenerate(
-            self.model, ids, list(self.s.layer_ids),
+            self.model,
+            ids,
+            layers,
             max_new_tokens=[min(self.s.max_new_tokens, self.s.max_length - len(p)) for p in ids],
-            stop_ids=self.stop_ids, pad_id=self.pad_id, sampling=self.s.sampling, generator=gen, batch_size=self.s.batch_size,
-            teacher_topk=self.layout.teacher_topk,
-        )  # fmt: skip
+            stop_ids=self.stop_ids,
+            pad_id=self.pad_id,
+            sampling=self.s.sampling,
+            generator=gen,
+            batch_size=size,
+            teacher_topk=topk,
+        )

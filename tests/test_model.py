@@ -1,4 +1,4 @@
-"""The draft model: reference layer ids, hidden-state offset, and parity with the published `dflash`."""
+"""The draft model and its spec: reference layer ids, hidden-state offset, parity with the published `dflash`."""
 
 import json
 
@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config
 
-from flashdraft.model import DFlashDrafter, build_target_layer_ids, extract_context_feature, make_draft_config
+from flashdraft.model import DFlashDrafter, extract_context_feature
+from flashdraft.spec import DraftSpec, capture_layer_ids, default_layer_ids
 from flashdraft.target import capture_features
 
 dflash_model = pytest.importorskip("dflash.model")
@@ -14,19 +15,41 @@ dflash_model = pytest.importorskip("dflash.model")
 
 @pytest.mark.parametrize(
     "layers,n,expected",
-    [(36, 5, [1, 9, 17, 25, 33]), (32, 5, [1, 8, 15, 22, 29]), (30, 5, [1, 8, 14, 20, 27]), (28, 1, [14]), (48, 3, [1, 23, 45])],
+    [
+        (36, 5, [1, 9, 17, 25, 33]),
+        (32, 5, [1, 8, 15, 22, 29]),
+        (30, 5, [1, 8, 14, 20, 27]),
+        (28, 1, [14]),
+        (48, 3, [1, 23, 45]),
+    ],
 )
 def test_layer_ids_formula(layers, n, expected):
-    assert build_target_layer_ids(layers, n) == expected
+    assert default_layer_ids(layers, n) == expected
     assert dflash_model.build_target_layer_ids(layers, n) == expected
+
+
+def draft_config(target_config, mask_token_id, num_draft_layers=5, block_size=16, target_layer_ids=None):
+    """A drafter config for `target_config`, by default over the reference's layer ids."""
+    ids = target_layer_ids or capture_layer_ids(target_config)
+    return DraftSpec(ids, mask_token_id, block_size, num_draft_layers).draft_config(target_config)
 
 
 def test_hidden_state_offset_is_layer_output():
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2)
+    cfg = LlamaConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     model = LlamaForCausalLM(cfg).eval()
     outputs = {}
-    hooks = [layer.register_forward_hook(lambda m, a, o, i=i: outputs.__setitem__(i, o[0] if isinstance(o, tuple) else o)) for i, layer in enumerate(model.model.layers)]
+    hooks = [
+        layer.register_forward_hook(lambda m, a, o, i=i: outputs.__setitem__(i, o[0] if isinstance(o, tuple) else o))
+        for i, layer in enumerate(model.model.layers)
+    ]
     ids = torch.randint(0, 50, (2, 7))
     feats = capture_features(model, ids, [0, 2, 3])
     for h in hooks:
@@ -45,8 +68,24 @@ def _randomize(model):
 
 
 TARGETS = {
-    "llama-gqa": LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
-    "qwen3-mha": Qwen3Config(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=12, num_attention_heads=4, num_key_value_heads=4, head_dim=32),
+    "llama-gqa": LlamaConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    ),
+    "qwen3-mha": Qwen3Config(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=12,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=32,
+    ),
 }
 
 
@@ -54,7 +93,7 @@ TARGETS = {
 @pytest.mark.parametrize("block_size", [16, 8])
 def test_parity_with_reference(tmp_path, target, block_size):
     torch.manual_seed(1)
-    cfg = make_draft_config(TARGETS[target], mask_token_id=96, num_draft_layers=3, block_size=block_size)
+    cfg = draft_config(TARGETS[target], mask_token_id=96, num_draft_layers=3, block_size=block_size)
     ours = DFlashDrafter(cfg)
     _randomize(ours)
     ours.save_pretrained(tmp_path)
@@ -77,7 +116,7 @@ def test_parity_with_reference(tmp_path, target, block_size):
 
 def test_cache_path_equals_full_context():
     torch.manual_seed(2)
-    ours = DFlashDrafter(make_draft_config(TARGETS["llama-gqa"], mask_token_id=96, num_draft_layers=2, block_size=8)).eval()
+    ours = DFlashDrafter(draft_config(TARGETS["llama-gqa"], mask_token_id=96, num_draft_layers=2, block_size=8)).eval()
     _randomize(ours)
     n_feat = len(ours.target_layer_ids) * 64
     ctx = torch.randn(1, 30, n_feat)
@@ -93,8 +132,20 @@ def test_cache_path_equals_full_context():
     torch.testing.assert_close(inc, full, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("missing", ["target_layer_ids", "mask_token_id"])
+def test_from_pretrained_refuses_a_config_without_geometry_naming_the_file(tmp_path, missing):
+    """No formula fallback: a config.json without the layer ids (or the mask token) is refused, as the reference
+    refuses it, with the file named."""
+    DFlashDrafter(draft_config(TARGETS["qwen3-mha"], mask_token_id=5, num_draft_layers=1)).save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    del saved["dflash_config"][missing]
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match=f"{tmp_path / 'config.json'}.*{missing}"):
+        DFlashDrafter.from_pretrained(tmp_path)
+
+
 def test_save_load_roundtrip(tmp_path):
-    ours = DFlashDrafter(make_draft_config(TARGETS["qwen3-mha"], mask_token_id=5))
+    ours = DFlashDrafter(draft_config(TARGETS["qwen3-mha"], mask_token_id=5))
     ours.save_pretrained(tmp_path)
     back = DFlashDrafter.from_pretrained(tmp_path)
     for (k, v), (k2, v2) in zip(ours.state_dict().items(), back.state_dict().items(), strict=True):
@@ -104,7 +155,22 @@ def test_save_load_roundtrip(tmp_path):
 
 def test_bad_layer_ids_named():
     with pytest.raises(ValueError, match=r"\[40\]"):
-        make_draft_config(TARGETS["qwen3-mha"], mask_token_id=1, target_layer_ids=[1, 40])
+        draft_config(TARGETS["qwen3-mha"], mask_token_id=1, target_layer_ids=[1, 40])
+    with pytest.raises(ValueError, match="distinct"):
+        DraftSpec((3, 3), 1)
+
+
+def test_draft_spec_round_trips_through_the_drafter_config():
+    spec = DraftSpec((2, 5, 9), mask_token_id=7, block_size=8, num_draft_layers=3, intermediate_size=48)
+    config = spec.draft_config(TARGETS["qwen3-mha"])
+    assert DraftSpec.from_draft_config(config) == spec
+    assert DraftSpec.from_draft_config(config.to_dict()) == spec  # the dict of a saved config.json too
+    assert DFlashDrafter(config).spec == spec and config.dflash_config == {
+        "mask_token_id": 7,
+        "target_layer_ids": [2, 5, 9],
+    }
+    back = DraftSpec.from_draft_config(DraftSpec((1, 3), mask_token_id=5).draft_config(TARGETS["qwen3-mha"]))
+    assert back == DraftSpec((1, 3), mask_token_id=5, intermediate_size=96)  # None: the target's, written out
 
 
 def test_extract_context_feature_order():
@@ -119,16 +185,24 @@ def test_init_from_target_copies_the_top_layers(arch, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    kw = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-              num_key_value_heads=2)
-    target = LlamaForCausalLM(LlamaConfig(**kw)) if arch == "llama" else Qwen3ForCausalLM(Qwen3Config(head_dim=16, **kw))
+    kw = dict(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    target = (
+        LlamaForCausalLM(LlamaConfig(**kw)) if arch == "llama" else Qwen3ForCausalLM(Qwen3Config(head_dim=16, **kw))
+    )
     with torch.no_grad():
         for name, p in target.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
     target.save_pretrained(tmp_path)
     tensors = load_file(str(tmp_path / "model.safetensors"))
-    config = make_draft_config(target.config, mask_token_id=63, num_draft_layers=2, target_layer_ids=[1, 3])
+    config = draft_config(target.config, mask_token_id=63, num_draft_layers=2, target_layer_ids=[1, 3])
     drafter = DFlashDrafter(config)
     assert drafter.init_from_target(tensors) == [4, 5]
     own = drafter.state_dict()
@@ -142,7 +216,9 @@ def test_init_from_target_copies_the_top_layers(arch, tmp_path):
                     assert torch.equal(value, tensors[source]), name
     assert torch.equal(own["norm.weight"], tensors["model.norm.weight"])
     assert torch.equal(own["fc.weight"][:, 64:], torch.eye(64)) and not own["fc.weight"][:, :64].any()
-    mean_norm = (tensors["model.layers.4.input_layernorm.weight"] + tensors["model.layers.5.input_layernorm.weight"]) / 2
+    mean_norm = (
+        tensors["model.layers.4.input_layernorm.weight"] + tensors["model.layers.5.input_layernorm.weight"]
+    ) / 2
     assert torch.allclose(own["hidden_norm.weight"], mean_norm)
     with pytest.raises(KeyError, match="lacks"):
         DFlashDrafter(config).init_from_target({k: v for k, v in tensors.items() if "layers.5.mlp" not in k})

@@ -10,7 +10,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from flashdraft.prompts import PromptSourceUnavailable, load_prompts
-from flashdraft.store import REJECTS, StoreError, StoreReader, verify_store
+from flashdraft.store import StoreError, StoreReader, read_manifest, read_rejects, verify_store
+from flashdraft.store.files import SHARDS
 from flashdraft.target import capture_features, load_tokenizer
 from pipeline.capture import Sampling, TargetNaNError, capture, regenerate
 from pipeline.fleet import FleetConfig, run_fleet
@@ -22,7 +23,14 @@ LAYERS = [1, 3, 4]
 
 def tiny(kind="llama", vocab=64, seed=0):
     torch.manual_seed(seed)
-    kw = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2)
+    kw = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     if kind == "qwen3":
         return Qwen3ForCausalLM(Qwen3Config(head_dim=16, **kw)).eval()
     return LlamaForCausalLM(LlamaConfig(**kw)).eval()
@@ -69,7 +77,13 @@ def test_regenerate_captures_what_a_fresh_forward_computes(kind, batch_size):
         ref = capture_features(model, r.input_ids[None], LAYERS)[0]
         assert r.features.shape == ref.shape
         assert (r.features - ref).abs().max() < 1e-4  # padded members included: positions skip the pads
-        g = model.generate(torch.tensor([p]), max_new_tokens=len(r.input_ids) - len(p), do_sample=False, eos_token_id=[5, 6], pad_token_id=0)
+        g = model.generate(
+            torch.tensor([p]),
+            max_new_tokens=len(r.input_ids) - len(p),
+            do_sample=False,
+            eos_token_id=[5, 6],
+            pad_token_id=0,
+        )
         assert g[0].tolist() == r.input_ids.tolist()  # greedy: the same tokens as generate()
         lengths.add(len(r.input_ids) - len(p))
     assert len(lengths) > 1
@@ -84,8 +98,16 @@ def test_teacher_topk_is_the_fresh_forwards_next_token_distribution(batch_size):
     each step computes anyway), on every token in capture; greedy, so row j's top token is token j + 1."""
     model, k = tiny(), 5
     prompts = [[1, 5, 9, 3], list(range(7, 20)), [2], [8, 9]]
-    out = regenerate(model, prompts, LAYERS, max_new_tokens=[9, 4, 7, 6], stop_ids=[5, 6], pad_id=0, batch_size=batch_size,
-                     teacher_topk=k)  # fmt: skip
+    out = regenerate(
+        model,
+        prompts,
+        LAYERS,
+        max_new_tokens=[9, 4, 7, 6],
+        stop_ids=[5, 6],
+        pad_id=0,
+        batch_size=batch_size,
+        teacher_topk=k,
+    )
     seqs = [r.input_ids.tolist() for r in out]
     captured = capture(model, seqs, [r.loss_mask for r in out], LAYERS, pad_id=0, teacher_topk=k)
     for p, r, c in zip(prompts, out, captured):
@@ -102,8 +124,16 @@ def test_teacher_topk_is_the_fresh_forwards_next_token_distribution(batch_size):
 def test_sampling_is_seeded_and_respects_top_k():
     model = tiny()
     s = Sampling(do_sample=True, temperature=1.5, top_k=3)
-    run = lambda seed: regenerate(model, [[1, 2, 3]] * 2, LAYERS, max_new_tokens=10, stop_ids=[], pad_id=0, sampling=s,
-                                  generator=torch.Generator().manual_seed(seed))  # noqa: E731
+    run = lambda seed: regenerate(
+        model,
+        [[1, 2, 3]] * 2,
+        LAYERS,
+        max_new_tokens=10,
+        stop_ids=[],
+        pad_id=0,
+        sampling=s,
+        generator=torch.Generator().manual_seed(seed),
+    )  # noqa: E731
     a, b, c = run(1), run(1), run(2)
     assert all(torch.equal(x.input_ids, y.input_ids) for x, y in zip(a, b))
     assert any(not torch.equal(x.input_ids, y.input_ids) for x, y in zip(a, c))
@@ -126,20 +156,31 @@ def fleet_run(store, target, records, rejects=(), **kw):
 
 def test_bad_input_is_rejected_with_reasons_and_the_rest_is_captured(tmp_path, target):
     src = tmp_path / "prompts.jsonl"
-    write_jsonl(src, [
-        {"prompt": "Write a haiku about the sea."},
-        b'{"messages": [{"role": "user", "content": "unterminated',
-        {"prompt": "   \n\t "},
-        {"messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "hello"}]},
-        b'{"prompt": "caf\xe9 au lait"}',
-        {"prompt": "word " * 600},
-        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a prime."}]},
-        [1, 2],
-    ])  # fmt: skip
+    write_jsonl(
+        src,
+        [
+            {"prompt": "Write a haiku about the sea."},
+            b'{"messages": [{"role": "user", "content": "unterminated',
+            {"prompt": "   \n\t "},
+            {"messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "hello"}]},
+            b'{"prompt": "caf\xe9 au lait"}',
+            {"prompt": "word " * 600},
+            {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a prime."}]},
+            [1, 2],
+        ],
+    )
     records, rejects = load_records([str(src)], split=None)
     summary = fleet_run(tmp_path / "s", target, records + records[:1], rejects, max_prompt_tokens=300)
-    reasons = [json.loads(line)["reason"] for line in open(tmp_path / "s" / REJECTS)]
-    for want in ("malformed JSON", "(user) is empty", "roles out of order", "not UTF-8", "prompt too long", "duplicate record", "not a JSON object"):
+    reasons = [r["reason"] for r in read_rejects(tmp_path / "s")]
+    for want in (
+        "malformed JSON",
+        "(user) is empty",
+        "roles out of order",
+        "not UTF-8",
+        "prompt too long",
+        "duplicate record",
+        "not a JSON object",
+    ):
         assert sum(want in r for r in reasons) == 1, (want, reasons)
     assert sum(summary.rejects.values()) == len(reasons) == 7
     r = StoreReader(tmp_path / "s")
@@ -152,11 +193,14 @@ def test_bad_input_is_rejected_with_reasons_and_the_rest_is_captured(tmp_path, t
 
 def test_capture_mode_keeps_given_responses(tmp_path, target):
     src = tmp_path / "chat.jsonl"
-    write_jsonl(src, [
-        {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4, of course."}]},
-        {"prompt": "Capital of France?", "response": "Paris."},
-        {"prompt": "no answer here"},
-    ])  # fmt: skip
+    write_jsonl(
+        src,
+        [
+            {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4, of course."}]},
+            {"prompt": "Capital of France?", "response": "Paris."},
+            {"prompt": "no answer here"},
+        ],
+    )
     records, rejects = load_records([str(src)], split=None)
     fleet_run(tmp_path / "s", target, records, rejects, mode="capture")
     r = StoreReader(tmp_path / "s")
@@ -168,14 +212,27 @@ def test_capture_mode_keeps_given_responses(tmp_path, target):
         assert tok.decode(s.input_ids[s.loss_mask]) in ("4, of course.<|im_end|>", "Paris.<|im_end|>")
         ref = capture_features(worker.model, torch.as_tensor(s.input_ids)[None], LAYERS)[0]
         assert (s.features - ref.to(torch.bfloat16).float()).abs().max() <= 0.02 * ref.abs().max()
-    assert "no response to capture" in open(tmp_path / "s" / REJECTS).read()
+    assert any("no response to capture" in r["reason"] for r in read_rejects(tmp_path / "s"))
 
 
 def test_a_store_with_teacher_topk_is_captured_through_the_fleet(tmp_path, target):
     records = load_prompts("humaneval", limit=3)
     settings = settings_for(target)
-    writer = open_store(tmp_path / "s", settings, sources=["test"], store_options=dict(shard_tokens=256, chunk_tokens=32, teacher_topk=3))
-    run_fleet(tmp_path / "s", records, settings, writer, FleetConfig(num_actors=0, shard_size=2), load_rejects=[], progress=False)
+    writer = open_store(
+        tmp_path / "s",
+        settings,
+        sources=["test"],
+        store_options=dict(shard_tokens=256, chunk_tokens=32, teacher_topk=3),
+    )
+    run_fleet(
+        tmp_path / "s",
+        records,
+        settings,
+        writer,
+        FleetConfig(num_actors=0, shard_size=2),
+        load_rejects=[],
+        progress=False,
+    )
     r = StoreReader(tmp_path / "s")
     assert len(r) == 3 and r.teacher_topk == 3 and verify_store(tmp_path / "s", progress=False)[0] == []
     for i in range(3):
@@ -191,6 +248,8 @@ def test_resume_skips_committed_and_refuses_another_capture(tmp_path, target):
     records = load_prompts("humaneval", limit=7)
     first = fleet_run(tmp_path / "s", target, records[:4])
     assert first.new_sequences == 4 and first.shards_done == 2
+    manifest = read_manifest(tmp_path / "s")  # the layers it captured, no mask token: the trainer chooses that
+    assert manifest["layer_ids"] == LAYERS and "mask_token_id" not in manifest
     again = fleet_run(tmp_path / "s", target, records)  # a longer run over the same store: only the rest
     assert again.new_sequences == 3 and again.sequences == 7
     r = StoreReader(tmp_path / "s")
@@ -206,7 +265,7 @@ def test_nan_target_fails_its_shard_without_retries(tmp_path):
     summary = fleet_run(tmp_path / "s", target, load_prompts("humaneval", limit=2), max_attempts=3)
     assert [f["attempts"] for f in summary.failed] == [1]
     assert "TargetNaNError" in summary.failed[0]["error"] and "NaN" in summary.failed[0]["error"]
-    assert summary.sequences == 0 and os.listdir(tmp_path / "s" / "shards") == []
+    assert summary.sequences == 0 and os.listdir(tmp_path / "s" / SHARDS) == []
     assert time.time() - t0 < 60
     with pytest.raises(TargetNaNError):
         regenerate(LlamaForCausalLM.from_pretrained(target), [[1, 2]], LAYERS, max_new_tokens=2, stop_ids=[], pad_id=0)

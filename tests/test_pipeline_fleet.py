@@ -18,7 +18,9 @@ ray = pytest.importorskip("ray")
 @pytest.fixture(scope="module")
 def ray_local():
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 << 20, logging_level="error", log_to_driver=False)
+    ray.init(
+        num_cpus=2, include_dashboard=False, object_store_memory=100 << 20, logging_level="error", log_to_driver=False
+    )
     yield
     ray.shutdown()
 

@@ -35,7 +35,16 @@ def test_jsonl_bad_input_goes_to_rejects(tmp_path):
     path = tmp_path / "chats.jsonl"
     lines = [
         json.dumps({"prompt": "Write a haiku."}).encode(),
-        json.dumps({"id": "c2", "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]}).encode(),
+        json.dumps(
+            {
+                "id": "c2",
+                "messages": [
+                    {"role": "user", "content": "a"},
+                    {"role": "assistant", "content": "b"},
+                    {"role": "user", "content": "c"},
+                ],
+            }
+        ).encode(),
         b"{not json",
         json.dumps({"prompt": "   "}).encode(),
         json.dumps({"messages": [{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}]}).encode(),
@@ -68,7 +77,9 @@ def test_parquet_source(tmp_path):
 def test_check_messages():
     assert check_messages([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]) is None
     assert "no user" in check_messages([{"role": "system", "content": "s"}])
-    assert "system message at position" in check_messages([{"role": "user", "content": "u"}, {"role": "system", "content": "s"}])
+    assert "system message at position" in check_messages(
+        [{"role": "user", "content": "u"}, {"role": "system", "content": "s"}]
+    )
 
 
 def test_unknown_and_unreachable_sources(tmp_path):
@@ -127,7 +138,9 @@ def test_stdlib_prompts_do_not_depend_on_what_the_process_imported_or_its_enviro
     docprompts._stdlib_items.cache_clear()
     assert docprompts.stub_prompts() == stubs and docprompts.doc_prompts() == docs
     assert not any("warning_advice" in key for key, _ in stubs + docs)
-    assert not any("s3cret-value-9174" in text or "environ(" in text for _, text in stubs)  # os.environ defaults left out
+    assert not any(
+        "s3cret-value-9174" in text or "environ(" in text for _, text in stubs
+    )  # os.environ defaults left out
 
 
 def test_the_full_profile_takes_its_per_source_limits_from_hydra():

@@ -10,15 +10,16 @@ import torch
 import zarr
 
 from flashdraft.store import (
-    SHARDS,
     ShardWriter,
     StoreError,
     StoreLayout,
     StoreReader,
     StoreWriter,
+    is_store,
     verify_store,
     write_store,
 )
+from flashdraft.store.files import MANIFEST, SHARDS
 
 LAYERS, H = [1, 4, 7], 32
 
@@ -46,7 +47,11 @@ def test_round_trip(tmp_path, dtype):
     assert len(r) == len(seqs) and r.seq_ids == [s["seq_id"] for s in seqs]
     assert r.layer_ids == LAYERS and r.hidden_size == H
     assert list(r.lengths) == [len(s["input_ids"]) for s in seqs]
-    assert r.manifest["counts"] == {"sequences": 5, "tokens": 476, "response_tokens": sum(int(s["loss_mask"].sum()) for s in seqs)}
+    assert r.manifest["counts"] == {
+        "sequences": 5,
+        "tokens": 476,
+        "response_tokens": sum(int(s["loss_mask"].sum()) for s in seqs),
+    }
     assert r.manifest["target"] == {"name": "tiny"} and r.manifest["mask_token_id"] == 3
     for i in np.random.default_rng(0).permutation(len(seqs)):
         s, got = seqs[i], r.read(int(i))
@@ -117,7 +122,7 @@ def test_bad_inputs_are_named(tmp_path):
         StoreWriter(tmp_path / "s", **small("float16"))
     with pytest.raises(StoreError, match="no feature store"):
         StoreReader(tmp_path / "nowhere")
-    (tmp_path / "s" / "manifest.json").write_text("{not json")
+    (tmp_path / "s" / MANIFEST).write_text("{not json")
     with pytest.raises(StoreError, match="corrupt"):
         StoreReader(tmp_path / "s")
     with pytest.raises(StoreError, match="not in this store"):
@@ -172,9 +177,9 @@ def test_verify_catches_damage(tmp_path):
     assert any("layer_07/c/1/0 is missing" in p for p in problems), problems
 
     write_store(tmp_path / "m", make_sequences(), **small())
-    m = json.loads((tmp_path / "m" / "manifest.json").read_text())
+    m = json.loads((tmp_path / "m" / MANIFEST).read_text())
     m["shards"].append({**m["shards"][0], "name": "shard-00009"})
-    (tmp_path / "m" / "manifest.json").write_text(json.dumps(m))
+    (tmp_path / "m" / MANIFEST).write_text(json.dumps(m))
     problems, _ = verify_store(tmp_path / "m", progress=False)
     assert any("shard-00009 is listed in the manifest but missing" in p for p in problems)
     assert any("manifest counts" in p for p in problems)
@@ -190,7 +195,9 @@ def test_reader_is_lazy_and_picklable(tmp_path):
     r = StoreReader(tmp_path / "s")
     assert len(r) == 15 and all(not s.arrays for s in r._shards)
     x = r.read(12)
-    assert x.seq_id == "seq-2-2" and torch.equal(x.features, make_sequences(seed=2)[2]["features"].to(torch.bfloat16).float())
+    assert x.seq_id == "seq-2-2" and torch.equal(
+        x.features, make_sequences(seed=2)[2]["features"].to(torch.bfloat16).float()
+    )
     assert len(r._shards[2].arrays) > 0 and not r._shards[0].arrays
     r2 = pickle.loads(pickle.dumps(r))
     assert torch.equal(r2.read(12).features, x.features) and r2.index("seq-1-0") == 5
@@ -219,7 +226,24 @@ def test_teacher_topk_round_trip_and_checks(tmp_path):
     with pytest.raises(StoreError, match="holds no teacher top-k"):
         plain.read(0, teacher=True)
     with pytest.raises(StoreError, match="top-4 next tokens, none given"):
-        write_store(tmp_path / "none", [{k_: v for k_, v in seqs[0].items() if k_ != "teacher"}], teacher_topk=k, **small())
+        write_store(
+            tmp_path / "none", [{k_: v for k_, v in seqs[0].items() if k_ != "teacher"}], teacher_topk=k, **small()
+        )
     bad = dict(seqs[0], teacher=(seqs[0]["teacher"][0][:, :2], seqs[0]["teacher"][1][:, :2]))
     with pytest.raises(StoreError, match=r"expected \[5, 4\]"):
         write_store(tmp_path / "bad", [bad], teacher_topk=k, **small())
+
+
+def test_the_mask_token_is_not_part_of_a_stores_identity(tmp_path):
+    """A store written when it was (its manifest has mask_token_id) still opens and resumes under a writer without
+    one, or with another."""
+    write_store(tmp_path / "s", make_sequences()[:2], manifest_extra={"mask_token_id": 3}, **small())
+    w = StoreWriter(tmp_path / "s", **small())
+    with w.shard("shard-00001") as sh:
+        sh.append(**make_sequences(seed=1)[0])
+    w.register(sh.info())
+    StoreWriter(tmp_path / "s", manifest_extra={"mask_token_id": 9}, **small())
+    r = StoreReader(tmp_path / "s")
+    assert len(r) == 3 and r.manifest["mask_token_id"] == 3
+    assert "mask_token_id" not in write_store(tmp_path / "new", make_sequences()[:1], **small()).manifest
+    assert is_store(tmp_path / "s") and not is_store(tmp_path / "nowhere") and not is_store(tmp_path / "s" / SHARDS)

@@ -38,7 +38,10 @@ def test_batched_prefill_head_runs_on_its_rows_not_on_a_copied_weight():
     ids = torch.randint(0, 1000, (8, 40))
     with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         out = model(input_ids=ids, logits_to_keep=1)
-    biggest = max((torch.Size(s).numel() for e in prof.events() if e.name == "aten::copy_" for s in e.input_shapes if s), default=0)
+    biggest = max(
+        (torch.Size(s).numel() for e in prof.events() if e.name == "aten::copy_" for s in e.input_shapes if s),
+        default=0,
+    )
     assert biggest < model.lm_head.weight.numel(), f"a copy of {biggest} elements: the head weight was expanded"
     with torch.no_grad():
         hidden = model.model(input_ids=ids).last_hidden_state
@@ -61,7 +64,8 @@ def test_enable_thinking_reaches_templates_that_know_it(smol_tokenizer):
     saved = tok.chat_template
     tok.chat_template = (
         "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n"
+        "{% if enable_thinking is defined and not enable_thinking %}"
         "<think>\n\n</think>\n\n{% endif %}{% endif %}"
     )
     try:
@@ -77,7 +81,15 @@ def test_enable_thinking_reaches_templates_that_know_it(smol_tokenizer):
 @pytest.mark.parametrize("sharded", [False, True])
 def test_frozen_head_reads_only_embed_and_head(tmp_path, tied, sharded):
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    cfg = LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+    )
     model = LlamaForCausalLM(cfg)
     model.save_pretrained(tmp_path, max_shard_size="60KB" if sharded else "5GB")
     assert (tmp_path / "model.safetensors.index.json").exists() == sharded
@@ -110,7 +122,7 @@ def test_unreachable_hub_target_fails_fast():
 
 
 def test_rowwise_attention_equals_masked_sdpa_and_skips_masks_that_hide_nothing():
-    from flashdraft.target import _row_keys, rowwise_attention
+    from flashdraft.target.exact import _row_keys, rowwise_attention
 
     g = torch.Generator().manual_seed(0)
     b, heads, kv_heads, q_len, kv_len, d = 2, 4, 2, 5, 12, 8
@@ -131,7 +143,14 @@ def test_rowwise_attention_equals_masked_sdpa_and_skips_masks_that_hide_nothing(
     rows = _row_keys(tree, q_len, kv_len)
     assert [r[1] is None for r in rows] == [True, True, False, False, False] and not any(r[2] for r in rows)
     assert rows[4][1].tolist() == list(range(kv_len - 5)) + [kv_len - 5, kv_len - 3, kv_len - 1]
-    for qs, ks, vs, mask in [(q, k, v, causal), (q, k, v, padded), (q, k, v, torch.where(padded, 0.0, float("-inf"))), (q[:1], k[:1], v[:1], tree)]:
+    for qs, ks, vs, mask in [
+        (q, k, v, causal),
+        (q, k, v, padded),
+        (q, k, v, torch.where(padded, 0.0, float("-inf"))),
+        (q[:1], k[:1], v[:1], tree),
+    ]:
         out, _ = rowwise_attention(None, qs, ks, vs, mask, scaling=d**-0.5)
-        want = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=d**-0.5, enable_gqa=True)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=mask, scale=d**-0.5, enable_gqa=True
+        )
         torch.testing.assert_close(out, want.transpose(1, 2))

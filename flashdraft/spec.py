@@ -1,0 +1,125 @@
+"""The drafter's geometry: which target layers feed it, its block size, its mask token, its depth.
+
+A `DraftSpec` is made once, by the trainer, from the feature store's manifest (the layers the pipeline
+captured) and the model config; it is saved in the drafter's config.json in the published format
+(`block_size`, `num_hidden_layers`, `dflash_config.target_layer_ids`, `dflash_config.mask_token_id`) and read
+back from there by everything after training: the harness, the reference package, serving engines.
+
+The pipeline chooses only which layers to capture (`capture_layer_ids`); nothing else derives geometry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import Qwen3Config
+
+DEFAULT_NUM_FEATURES = 5
+
+
+def default_layer_ids(num_target_layers: int, num_features: int = DEFAULT_NUM_FEATURES) -> list[int]:
+    """The reference's layer ids: round(1 + i*(L-4)/(n-1)) for i in 0..n-1; n = 1 gives [L//2]."""
+    if num_features < 1:
+        raise ValueError(f"num_features must be >= 1, got {num_features}")
+    if num_features == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_features - 1)) for i in range(num_features)]
+
+
+def check_layer_ids(layer_ids, num_target_layers: int) -> list[int]:
+    """`layer_ids` as ints, refused unless distinct, non-empty and inside the target's layers."""
+    ids = [int(i) for i in layer_ids]
+    if not ids or len(set(ids)) != len(ids):
+        raise ValueError(f"target layer ids must be distinct and non-empty, got {ids}")
+    bad = [i for i in ids if not 0 <= i < num_target_layers]
+    if bad:
+        raise ValueError(
+            f"target layer ids {bad} outside the target's {num_target_layers} layers (0..{num_target_layers - 1})"
+        )
+    return ids
+
+
+def text_config(target_config):
+    """The text config of a multimodal target, else the config itself."""
+    return getattr(target_config, "text_config", None) or target_config
+
+
+def capture_layer_ids(target_config, num_features: int = DEFAULT_NUM_FEATURES, override=None) -> list[int]:
+    """The layers a capture stores: `override` if given, else the reference formula for this target."""
+    n = text_config(target_config).num_hidden_layers
+    return check_layer_ids(override if override else default_layer_ids(n, num_features), n)
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    """Everything that fixes a drafter's shape besides the target's own sizes."""
+
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    block_size: int = 16
+    num_draft_layers: int = 5
+    intermediate_size: int | None = None  # None: the target's
+
+    def __post_init__(self):
+        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        if not self.target_layer_ids or len(set(self.target_layer_ids)) != len(self.target_layer_ids):
+            raise ValueError(f"target_layer_ids must be distinct and non-empty, got {list(self.target_layer_ids)}")
+        if not 1 <= self.block_size <= 64:
+            raise ValueError(f"block_size must be in 1..64, got {self.block_size}")
+        if self.num_draft_layers < 1:
+            raise ValueError(f"num_draft_layers must be >= 1, got {self.num_draft_layers}")
+        if self.mask_token_id < 0:
+            raise ValueError(f"mask_token_id must be a token id, got {self.mask_token_id}")
+
+    @classmethod
+    def from_draft_config(cls, config, where: str = "drafter config") -> DraftSpec:
+        """Read the spec back from a drafter config (a Qwen3Config or its dict). No field is guessed: a config
+        without target layer ids or a mask token is refused, as the reference refuses it."""
+        get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+        dcfg = get("dflash_config") or {}
+        missing = [k for k in ("target_layer_ids", "mask_token_id") if dcfg.get(k) is None]
+        missing += [k for k in ("block_size", "num_hidden_layers") if get(k) is None]
+        if missing:
+            raise ValueError(f"{where} lacks {', '.join(missing)}: not a DFlash drafter config")
+        return cls(
+            target_layer_ids=tuple(dcfg["target_layer_ids"]),
+            mask_token_id=int(dcfg["mask_token_id"]),
+            block_size=int(get("block_size")),
+            num_draft_layers=int(get("num_hidden_layers")),
+            intermediate_size=get("intermediate_size"),
+        )
+
+    def draft_config(self, target_config) -> Qwen3Config:
+        """The drafter's config in the published format, shaped like the target (hidden size, heads, RoPE)."""
+        tc = text_config(target_config)
+        check_layer_ids(self.target_layer_ids, tc.num_hidden_layers)
+        head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+        rope = getattr(tc, "rope_parameters", None) or {
+            "rope_type": "default",
+            "rope_theta": getattr(tc, "rope_theta", 10000.0),
+        }
+        n = self.num_draft_layers
+        return Qwen3Config(
+            architectures=["DFlashDraftModel"],
+            vocab_size=tc.vocab_size,
+            hidden_size=tc.hidden_size,
+            intermediate_size=self.intermediate_size or tc.intermediate_size,
+            num_hidden_layers=n,
+            num_attention_heads=tc.num_attention_heads,
+            num_key_value_heads=getattr(tc, "num_key_value_heads", tc.num_attention_heads),
+            head_dim=head_dim,
+            hidden_act="silu",
+            max_position_embeddings=tc.max_position_embeddings,
+            rms_norm_eps=tc.rms_norm_eps,
+            rope_parameters=dict(rope),
+            attention_bias=False,
+            tie_word_embeddings=False,
+            use_sliding_window=False,
+            layer_types=["full_attention"] * n,
+            bos_token_id=getattr(tc, "bos_token_id", None),
+            eos_token_id=getattr(tc, "eos_token_id", None),
+            block_size=self.block_size,
+            num_target_layers=tc.num_hidden_layers,
+            dflash_config={"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+        )

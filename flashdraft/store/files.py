@@ -1,0 +1,207 @@
+"""Where a store keeps what: the only module that knows the store's file and folder names.
+
+    manifest.json                 provenance, format, counts, and the list of COMMITTED shards
+    rejects.jsonl                 prompts the pipeline refused, one {"source","record_id","reason"} a line
+    shards/shard-00000/           one Zarr v3 group per fleet task; attributes: seq_ids, offsets, counts
+        input_ids   int32 [T]         all sequences' tokens, flat; sequence j is offsets[j]:offsets[j+1]
+        loss_mask   bool  [T]         True on response tokens (generated, EOS included)
+        layer_<i>   [T, H]            output of target decoder layer i (hidden_states[i+1]) per token (`format`)
+        layer_<i>_scale float32 [T]   fp8 only: per-token scale
+        teacher_ids int32 [T, k]      optional (layout teacher_topk = k > 0): row j holds the target's k most
+        teacher_logp float16 [T, k]   likely next tokens after token j and their log-probabilities (soft labels
+                                      for token j+1); -inf where not captured (prompt tokens before the last)
+    shards/.tmp-<name>-<uid>/     a shard being written; renamed to its name once complete
+    .lock                         serialises manifest updates
+
+Each shard is readable with plain `zarr.open_group(store/"shards"/name)`.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import fcntl
+import json
+import os
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+
+from flashdraft.store.format import FORMAT_VERSION, StoreError
+
+MANIFEST = "manifest.json"
+REJECTS = "rejects.jsonl"
+SHARDS = "shards"
+TMP_PREFIX = ".tmp-"
+LOCK = ".lock"
+SHARD_PREFIX = "shard-"
+_MANIFEST_KEYS = ("format_version", "layer_ids", "hidden_size", "dtype", "shards")
+
+
+def now() -> str:
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+
+
+def shards_dir(store_path: str | Path) -> Path:
+    return Path(store_path) / SHARDS
+
+
+def shard_dir(store_path: str | Path, name: str) -> Path:
+    return Path(store_path) / SHARDS / name
+
+
+def shard_name(index: int) -> str:
+    """The name of the index-th shard of a store (`shard-00000`)."""
+    return f"{SHARD_PREFIX}{index:05d}"
+
+
+def shard_index(name: str) -> int:
+    """The index in a shard name made by `shard_name`; -1 for any other name."""
+    try:
+        return int(name.rsplit("-", 1)[1])
+    except (IndexError, ValueError):
+        return -1
+
+
+def next_shard_index(store_path: str | Path) -> int:
+    """The index of the first shard name after every shard the store's manifest lists."""
+    return 1 + max([shard_index(e["name"]) for e in read_manifest(store_path)["shards"]] + [-1])
+
+
+def temp_shard_dir(store_path: str | Path, name: str) -> Path:
+    """A fresh folder name for a shard being written (never listed, never read)."""
+    return shards_dir(store_path) / f"{TMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
+
+
+def is_temp(shard: Path) -> bool:
+    return shard.name.startswith(TMP_PREFIX)
+
+
+def shard_exists(store_path: str | Path, name: str) -> bool:
+    """Whether the shard `name` is in place (committed, or renamed and not yet listed in the manifest)."""
+    return shard_dir(store_path, name).is_dir()
+
+
+def is_store(path: str | Path) -> bool:
+    """True when `path` is a folder with a store manifest (it may still be corrupt: `read_manifest` says)."""
+    return (Path(path) / MANIFEST).is_file()
+
+
+def read_manifest(path: str | Path) -> dict:
+    path = Path(path)
+    mpath = path / MANIFEST
+    if not path.is_dir():
+        raise StoreError(f"no feature store at {path} (not a directory)")
+    if not mpath.is_file():
+        raise StoreError(f"{path} is not a feature store: {MANIFEST} is missing")
+    try:
+        manifest = json.loads(mpath.read_text())
+    except (OSError, ValueError) as e:
+        raise StoreError(f"{mpath} is corrupt: {e}") from e
+    if not isinstance(manifest, dict):
+        raise StoreError(f"{mpath} is corrupt: not a JSON object")
+    missing = [k for k in _MANIFEST_KEYS if k not in manifest]
+    if missing:
+        raise StoreError(f"{mpath} is corrupt: missing keys {missing}")
+    if manifest["format_version"] != FORMAT_VERSION:
+        raise StoreError(f"{mpath}: format_version {manifest['format_version']} is not {FORMAT_VERSION}")
+    return manifest
+
+
+def write_manifest(path: str | Path, manifest: dict) -> None:
+    _write_json_atomic(Path(path) / MANIFEST, manifest)
+
+
+def _write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+@contextmanager
+def manifest_lock(path: str | Path):
+    """Hold the store's lock file (created with the store's folders if missing) while the manifest changes."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    shards_dir(path).mkdir(exist_ok=True)
+    with open(path / LOCK, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def read_shard_attrs(shard: Path) -> dict:
+    """The shard group's attributes, read straight from its zarr.json (no Zarr machinery: fast)."""
+    try:
+        return json.loads((shard / "zarr.json").read_text())["attributes"]
+    except (OSError, ValueError, KeyError) as e:
+        raise StoreError(f"shard {shard} is unreadable: {e}") from e
+
+
+def shard_is_complete(shard: Path) -> bool:
+    try:
+        return bool(read_shard_attrs(shard).get("complete"))
+    except StoreError:
+        return False
+
+
+def committed_seq_ids(store_path: str | Path) -> set[str]:
+    """Every sequence id the committed shards account for: captured, or refused and recorded as a reject."""
+    done = set()
+    for entry in read_manifest(store_path)["shards"]:
+        attrs = read_shard_attrs(shard_dir(store_path, entry["name"]))
+        done.update(attrs["seq_ids"])
+        done.update(r["seq_id"] for r in attrs.get("rejects", []))
+    return done
+
+
+def shard_rejects(manifest: dict) -> list[dict]:
+    """The rejects every committed shard of a manifest recorded, in shard order."""
+    return [r for entry in manifest["shards"] for r in entry.get("rejects", [])]
+
+
+def write_rejects(store_path: str | Path, rejects) -> None:
+    """Replace the store's rejects file with `rejects` (dicts), one JSON object a line."""
+    final = Path(store_path) / REJECTS
+    tmp = final.with_name(REJECTS + ".tmp")
+    with open(tmp, "w") as f:
+        for r in rejects:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    tmp.replace(final)
+
+
+def read_rejects(store_path: str | Path) -> list[dict]:
+    """The store's rejects file, or [] when the pipeline has not written one."""
+    path = Path(store_path) / REJECTS
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fd = os.open(dirpath, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def dir_bytes(root: Path) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)
+
+
+def shards_bytes(store_path: str | Path) -> int:
+    """Bytes on disk of a store's shards (committed or not)."""
+    return dir_bytes(shards_dir(store_path))

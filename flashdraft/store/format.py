@@ -1,0 +1,129 @@
+"""What a store's arrays hold: the layout of one capture (layers, hidden size, dtype, chunking, compression) and
+how features are encoded to their stored dtype and back.
+
+Layer i's features are `layer_<i>` [T, H]: uint16 holding bfloat16 bits | float16 | uint8 holding float8_e4m3fn
+bits (with a float32 per-token scale, `layer_<i>_scale` [T]: value = fp8 * scale) | float32. Feature arrays are
+sharded along tokens (`shard_tokens` rows per file) with small inner chunks (`chunk_tokens` rows), so that a random
+sequence costs a few small reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+FORMAT_VERSION = 1
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+# real dtype -> (zarr dtype holding it, bytes per element)
+DTYPES = {
+    "bfloat16": ("uint16", 2),
+    "float16": ("float16", 2),
+    "float8_e4m3": ("uint8", 1),
+    "float32": ("float32", 4),
+}
+CODECS = ("blosc-zstd", "blosc-lz4", "zstd", "none")
+
+
+class StoreError(RuntimeError):
+    """A store is missing, corrupt, or used inconsistently."""
+
+
+def layer_key(layer_id: int) -> str:
+    return f"layer_{int(layer_id):02d}"
+
+
+def bytes_per_token(num_layers: int, hidden_size: int, dtype: str, teacher_topk: int = 0) -> int:
+    """Uncompressed bytes one token costs: features (+ fp8 scales) + input id + loss mask (+ teacher top-k)."""
+    per_layer = hidden_size * DTYPES[dtype][1] + (4 if dtype == "float8_e4m3" else 0)
+    return num_layers * per_layer + 4 + 1 + 6 * teacher_topk
+
+
+@dataclass(frozen=True)
+class StoreLayout:
+    layer_ids: tuple[int, ...]
+    hidden_size: int
+    dtype: str = "bfloat16"
+    codec: str = "blosc-zstd"
+    clevel: int = 3
+    chunk_tokens: int = 64  # inner chunk: the unit of a random read
+    shard_tokens: int = 4096  # outer chunk: one file per array per shard_tokens rows; the write unit
+    teacher_topk: int = 0  # > 0: the target's top-k next-token log-probs per token (teacher_ids/teacher_logp)
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise StoreError(f"store dtype {self.dtype!r} not one of {sorted(DTYPES)}")
+        if self.codec not in CODECS:
+            raise StoreError(f"store codec {self.codec!r} not one of {CODECS}")
+        if not self.layer_ids or len(set(self.layer_ids)) != len(self.layer_ids):
+            raise StoreError(f"layer_ids must be distinct and non-empty, got {list(self.layer_ids)}")
+        if self.shard_tokens % self.chunk_tokens:
+            raise StoreError(f"shard_tokens {self.shard_tokens} is not a multiple of chunk_tokens {self.chunk_tokens}")
+        if self.teacher_topk < 0:
+            raise StoreError(f"teacher_topk must be >= 0, got {self.teacher_topk}")
+
+    @classmethod
+    def from_manifest(cls, manifest: dict) -> StoreLayout:
+        lay = manifest.get("layout", {})
+        return cls(tuple(manifest["layer_ids"]), int(manifest["hidden_size"]), manifest["dtype"], **lay)
+
+    def manifest_fields(self) -> dict:
+        d = asdict(self)
+        layout = {k: d[k] for k in ("codec", "clevel", "chunk_tokens", "shard_tokens")}
+        if self.teacher_topk:  # absent when 0, so stores written before the option keep their layout identity
+            layout["teacher_topk"] = self.teacher_topk
+        return {
+            "layer_ids": list(self.layer_ids),
+            "hidden_size": self.hidden_size,
+            "dtype": self.dtype,
+            "layout": layout,
+        }
+
+    def array_keys(self) -> list[str]:
+        """Every array of a shard of this layout."""
+        keys = ["input_ids", "loss_mask"] + [layer_key(i) for i in self.layer_ids]
+        if self.dtype == "float8_e4m3":
+            keys += [layer_key(i) + "_scale" for i in self.layer_ids]
+        if self.teacher_topk:
+            keys += ["teacher_ids", "teacher_logp"]
+        return keys
+
+    def compressors(self, typesize: int):
+        from zarr.codecs import BloscCodec, ZstdCodec
+
+        if self.codec == "none":
+            return None
+        if self.codec == "zstd":
+            return ZstdCodec(level=self.clevel)
+        cname = self.codec.split("-", 1)[1]
+        return BloscCodec(cname=cname, clevel=self.clevel, shuffle="shuffle", typesize=typesize)
+
+
+def encode_layer(x: torch.Tensor, dtype: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """[S, H] float tensor -> (stored array, fp8 per-token scales or None)."""
+    if dtype == "bfloat16":
+        return x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16), None
+    if dtype == "float16":
+        y = x.to(torch.float16)
+        if not torch.isfinite(y).all():
+            raise StoreError("features overflow float16 (|x| > 65504); store them as bfloat16")
+        return y.numpy(), None
+    if dtype == "float32":
+        return x.to(torch.float32).numpy(), None
+    amax = x.float().abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (x.float() / scale[:, None]).to(torch.float8_e4m3fn)
+    return q.view(torch.uint8).numpy(), scale.numpy().astype(np.float32)
+
+
+def decode_layer(stored: np.ndarray, dtype: str, scale: np.ndarray | None = None) -> torch.Tensor:
+    if dtype == "bfloat16":
+        return torch.from_numpy(np.ascontiguousarray(stored).view(np.int16)).view(torch.bfloat16).float()
+    if dtype == "float16":
+        return torch.from_numpy(np.ascontiguousarray(stored)).float()
+    if dtype == "float32":
+        return torch.from_numpy(np.ascontiguousarray(stored))
+    x = torch.from_numpy(np.ascontiguousarray(stored)).view(torch.float8_e4m3fn).float()
+    return x * torch.from_numpy(np.ascontiguousarray(scale))[:, None]

@@ -1,0 +1,383 @@
+"""Writing a store: one `ShardWriter` per fleet task, one `StoreWriter` that keeps the manifest.
+
+A shard is written under a temporary name, flushed, fsynced and renamed; only then is it listed in the manifest.
+A reader sees only listed shards, so a crashed writer leaves nothing a reader can trip on. Two writers touching
+the same chunk lose writes, so each writer owns whole shards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from flashdraft.store.files import (
+    dir_bytes,
+    fsync_tree,
+    is_store,
+    is_temp,
+    manifest_lock,
+    now,
+    read_manifest,
+    read_shard_attrs,
+    shard_dir,
+    shard_exists,
+    shard_is_complete,
+    shard_name,
+    shards_dir,
+    temp_shard_dir,
+    write_manifest,
+)
+from flashdraft.store.format import DTYPES, FORMAT_VERSION, StoreError, StoreLayout, encode_layer, layer_key
+from flashdraft.store.reader import StoreReader
+
+# Manifest keys that must agree between a store and a writer that appends to it. The mask token is not one of
+# them: no feature depends on it (stores written when it was are still opened).
+_IDENTITY_KEYS = (
+    "layer_ids",
+    "hidden_size",
+    "dtype",
+    "layout",
+    "target",
+    "chat_template_sha256",
+    "vocab_size",
+    "generation",
+)
+
+
+class ShardWriter:
+    """Writes one shard: appends are buffered to `shard_tokens` rows, commit renames it into place.
+
+    Use as a context manager: a clean exit commits, an exception aborts (deletes the temp dir).
+    """
+
+    def __init__(self, store_path: str | Path, name: str, layout: StoreLayout):
+        import zarr
+
+        self.layout, self.name = layout, name
+        self.final = shard_dir(store_path, name)
+        if self.final.exists():
+            raise StoreError(f"shard {self.final} already exists")
+        self.tmp = temp_shard_dir(store_path, name)
+        self.tmp.mkdir(parents=True)
+        self.group = zarr.open_group(str(self.tmp), mode="w", zarr_format=3)
+        self.arrays = self._create_arrays()
+        self.buffers = {k: [] for k in self.arrays}
+        self.buffered = 0
+        self.written = 0
+        self.seq_ids: list[str] = []
+        self._seen: set[str] = set()
+        self.rejects: list[dict] = []  # inputs this shard was given and refused, kept with the shard
+        self.offsets = [0]
+        self.response_tokens = 0
+        self.closed = False
+
+    def _create_arrays(self) -> dict:
+        lay, H = self.layout, self.layout.hidden_size
+        arrays = {
+            "input_ids": self._create("input_ids", (0,), "int32", (lay.shard_tokens,), None),
+            "loss_mask": self._create("loss_mask", (0,), "bool", (lay.shard_tokens,), None),
+        }
+        for i in lay.layer_ids:
+            k = layer_key(i)
+            arrays[k] = self._create(k, (0, H), DTYPES[lay.dtype][0], (lay.chunk_tokens, H), (lay.shard_tokens, H))
+            if lay.dtype == "float8_e4m3":
+                arrays[k + "_scale"] = self._create(k + "_scale", (0,), "float32", (lay.shard_tokens,), None)
+        if lay.teacher_topk:
+            k = lay.teacher_topk
+            for key, dtype in (("teacher_ids", "int32"), ("teacher_logp", "float16")):
+                arrays[key] = self._create(key, (0, k), dtype, (lay.chunk_tokens, k), (lay.shard_tokens, k))
+        return arrays
+
+    def _create(self, name, shape, dtype, chunks, shards):
+        return self.group.create_array(
+            name,
+            shape=shape,
+            dtype=dtype,
+            chunks=chunks,
+            shards=shards,
+            compressors=self.layout.compressors(np.dtype(dtype).itemsize),
+            fill_value=0,
+            config={"write_empty_chunks": True},  # verify can then tell a missing file from zeros
+        )
+
+    def append(self, seq_id: str, input_ids, loss_mask, features, teacher=None) -> None:
+        """teacher: (ids [S, k], log-probs [S, k]) when the layout keeps the target's top-k, else None."""
+        if self.closed:
+            raise StoreError(f"shard {self.name} is already closed")
+        ids = np.asarray(input_ids, dtype=np.int64).reshape(-1)
+        mask = np.asarray(loss_mask, dtype=bool).reshape(-1)
+        feats = torch.as_tensor(features)
+        teacher = self._check(seq_id, ids, mask, feats, teacher)
+        self._seen.add(seq_id)
+        self.buffers["input_ids"].append(ids.astype(np.int32))
+        self.buffers["loss_mask"].append(mask)
+        H = self.layout.hidden_size
+        for j, i in enumerate(self.layout.layer_ids):
+            data, scale = encode_layer(feats[:, j * H : (j + 1) * H], self.layout.dtype)
+            self.buffers[layer_key(i)].append(data)
+            if scale is not None:
+                self.buffers[layer_key(i) + "_scale"].append(scale)
+        if teacher is not None:
+            self.buffers["teacher_ids"].append(teacher[0].to(torch.int32).numpy())
+            self.buffers["teacher_logp"].append(teacher[1].to(torch.float16).numpy())
+        S = len(ids)
+        self.seq_ids.append(str(seq_id))
+        self.offsets.append(self.offsets[-1] + S)
+        self.response_tokens += int(mask.sum())
+        self.buffered += S
+        if self.buffered >= self.layout.shard_tokens:
+            self._flush(final=False)
+
+    def _check(self, seq_id, ids, mask, feats, teacher):
+        """Refuse a sequence that does not fit the layout; returns its teacher tensors (None without top-k)."""
+        S, n, H = len(ids), len(self.layout.layer_ids), self.layout.hidden_size
+        if S == 0:
+            raise StoreError(f"sequence {seq_id!r} is empty")
+        if mask.shape != (S,) or tuple(feats.shape) != (S, n * H):
+            raise StoreError(
+                f"sequence {seq_id!r}: input_ids [{S}], loss_mask {list(mask.shape)}, features {list(feats.shape)}; "
+                f"expected loss_mask [{S}] and features [{S}, {n}*{H}]"
+            )
+        if not torch.isfinite(feats).all():
+            raise StoreError(f"sequence {seq_id!r}: features contain NaN or Inf")
+        if ids.min() < 0 or ids.max() >= 2**31:
+            raise StoreError(f"sequence {seq_id!r}: token ids out of int32 range")
+        k = self.layout.teacher_topk
+        if k and teacher is None:
+            raise StoreError(f"sequence {seq_id!r}: this store keeps the target's top-{k} next tokens, none given")
+        if k:
+            teacher = tuple(torch.as_tensor(x) for x in teacher)
+            if tuple(teacher[0].shape) != (S, k) or tuple(teacher[1].shape) != (S, k):
+                raise StoreError(
+                    f"sequence {seq_id!r}: teacher ids {list(teacher[0].shape)} / log-probs {list(teacher[1].shape)}, "
+                    f"expected [{S}, {k}]"
+                )
+        if seq_id in self._seen:
+            raise StoreError(f"sequence {seq_id!r} appended twice to shard {self.name}")
+        return teacher if k else None
+
+    def reject(self, seq_id: str, reason: str, **fields) -> None:
+        """Record that `seq_id` belonged to this shard's work but was refused (it counts as done)."""
+        self.rejects.append({"seq_id": str(seq_id), "reason": reason, **fields})
+
+    def _flush(self, final: bool) -> None:
+        """Write whole `shard_tokens` blocks (and, when final, the remainder) so no file is rewritten."""
+        step = self.layout.shard_tokens
+        n = self.buffered if final else (self.buffered // step) * step
+        if n == 0:
+            return
+        start = self.written
+        for k, parts in self.buffers.items():
+            data = np.concatenate(parts) if len(parts) > 1 else parts[0]
+            arr = self.arrays[k]
+            arr.resize((start + n, *arr.shape[1:]))
+            arr[start : start + n] = data[:n]
+            self.buffers[k] = [data[n:]] if n < len(data) else []
+        self.written += n
+        self.buffered -= n
+
+    def commit(self) -> dict:
+        """Flush, fsync, rename into place; returns the shard's manifest entry."""
+        if self.closed:
+            raise StoreError(f"shard {self.name} is already closed")
+        self._flush(final=True)
+        self.group.attrs.update(
+            {
+                "format_version": FORMAT_VERSION,
+                "seq_ids": self.seq_ids,
+                "offsets": self.offsets,
+                "sequences": len(self.seq_ids),
+                "tokens": self.written,
+                "response_tokens": self.response_tokens,
+                "rejects": self.rejects,
+                "layer_ids": list(self.layout.layer_ids),
+                "dtype": self.layout.dtype,
+                "complete": True,
+            }
+        )
+        fsync_tree(self.tmp)
+        os.rename(self.tmp, self.final)
+        self.closed = True
+        return self.info()
+
+    def info(self) -> dict:
+        return {
+            "name": self.name,
+            "sequences": len(self.seq_ids),
+            "tokens": self.offsets[-1],
+            "response_tokens": self.response_tokens,
+            "rejects": self.rejects,
+            "bytes": dir_bytes(self.final if self.final.exists() else self.tmp),
+            "committed": now(),
+        }
+
+    def abort(self) -> None:
+        self.closed = True
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            if not self.closed:
+                self.commit()
+        else:
+            self.abort()
+
+
+class StoreWriter:
+    """Creates a store (or opens an existing one to add shards) and keeps its manifest.
+
+    Only one process should register shards at a time (a lock file serialises them); any number of
+    processes may write *different* shards concurrently with `ShardWriter(path, name, layout)`.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        layer_ids,
+        hidden_size: int,
+        dtype: str = "bfloat16",
+        codec: str = "blosc-zstd",
+        clevel: int = 3,
+        chunk_tokens: int = 64,
+        shard_tokens: int = 4096,
+        teacher_topk: int = 0,
+        manifest_extra: dict | None = None,
+    ):
+        self.path = Path(path)
+        ids = tuple(int(i) for i in layer_ids)
+        self.layout = StoreLayout(
+            ids, int(hidden_size), dtype, codec, clevel, chunk_tokens, shard_tokens, int(teacher_topk)
+        )
+        fresh = self._fresh_manifest(dict(manifest_extra or {}))
+        with manifest_lock(self.path):
+            if is_store(self.path):
+                self.manifest = read_manifest(self.path)
+                self._check_same_capture(fresh)
+                srcs = self.manifest.setdefault("sources", [])
+                srcs.extend(s for s in fresh["sources"] if s not in srcs)
+            else:
+                self.manifest = fresh
+            self._save()
+
+    def _fresh_manifest(self, extra: dict) -> dict:
+        return {
+            "format_version": FORMAT_VERSION,
+            "created": now(),
+            "updated": now(),
+            "target": None,
+            "chat_template_sha256": None,
+            "vocab_size": None,
+            "generation": None,
+            "sources": [],
+            **extra,
+            **self.layout.manifest_fields(),
+            "counts": {"sequences": 0, "tokens": 0, "response_tokens": 0},
+            "shards": [],
+        }
+
+    def _check_same_capture(self, fresh: dict) -> None:
+        bad = [k for k in _IDENTITY_KEYS if _identity(self.manifest.get(k), k) != _identity(fresh[k], k)]
+        if bad:
+            detail = "; ".join(f"{k}: store has {self.manifest.get(k)!r}, writer has {fresh[k]!r}" for k in bad)
+            raise StoreError(f"{self.path} holds a different capture ({detail}); use a new store directory")
+
+    def _save(self) -> None:
+        self.manifest["updated"] = now()
+        write_manifest(self.path, self.manifest)
+
+    def shard(self, name: str) -> ShardWriter:
+        return ShardWriter(self.path, name, self.layout)
+
+    @property
+    def committed(self) -> list[str]:
+        return [s["name"] for s in self.manifest["shards"]]
+
+    def register(self, info: dict) -> None:
+        """List a committed shard in the manifest (idempotent by name)."""
+        with manifest_lock(self.path):
+            self.manifest = read_manifest(self.path)
+            if info["name"] in self.committed:
+                return
+            if not shard_exists(self.path, info["name"]):
+                raise StoreError(
+                    f"cannot register shard {info['name']}: {shard_dir(self.path, info['name'])} does not exist"
+                )
+            self.manifest["shards"].append(info)
+            c = self.manifest["counts"]
+            c["sequences"] += info["sequences"]
+            c["tokens"] += info["tokens"]
+            c["response_tokens"] = c.get("response_tokens", 0) + info.get("response_tokens", 0)
+            self._save()
+
+    def update(self, **fields) -> None:
+        with manifest_lock(self.path):
+            self.manifest = read_manifest(self.path)
+            self.manifest.update(fields)
+            self._save()
+
+    def entry(self, name: str) -> dict:
+        """The manifest entry of the committed shard `name`, as on disk now."""
+        self.manifest = read_manifest(self.path)
+        return next(e for e in self.manifest["shards"] if e["name"] == name)
+
+    def unlisted_shards(self) -> list[str]:
+        """Complete shards on disk that the manifest does not list (a crash between rename and register)."""
+        listed = set(self.committed)
+        return [
+            d.name
+            for d in sorted(shards_dir(self.path).iterdir())
+            if d.is_dir() and not is_temp(d) and d.name not in listed and shard_is_complete(d)
+        ]
+
+    def adopt(self, name: str) -> None:
+        attrs = read_shard_attrs(shard_dir(self.path, name))
+        self.register(
+            {
+                "name": name,
+                "sequences": attrs["sequences"],
+                "tokens": attrs["tokens"],
+                "response_tokens": attrs.get("response_tokens", 0),
+                "rejects": attrs.get("rejects", []),
+                "bytes": dir_bytes(shard_dir(self.path, name)),
+                "committed": now(),
+            }
+        )
+
+    def remove_temp(self) -> list[str]:
+        """Delete leftovers of crashed shard writers. Call only when no writer is running."""
+        gone = []
+        for d in shards_dir(self.path).iterdir():
+            if is_temp(d) or (d.is_dir() and d.name not in self.committed and not shard_is_complete(d)):
+                shutil.rmtree(d, ignore_errors=True)
+                gone.append(d.name)
+        return gone
+
+
+def _identity(v, key: str):
+    v = json.loads(json.dumps(v))  # tuples vs lists, int keys vs str keys
+    if key == "target" and isinstance(v, dict):  # the same target may live at another path elsewhere
+        v = {k: x for k, x in v.items() if k not in ("path", "source")}
+    return v
+
+
+def write_store(
+    path, sequences, *, layer_ids, hidden_size, dtype="bfloat16", manifest_extra=None, **layout
+) -> StoreReader:
+    """Write `sequences` (dicts of seq_id, input_ids, loss_mask, features) as one committed shard."""
+    writer = StoreWriter(
+        path, layer_ids=layer_ids, hidden_size=hidden_size, dtype=dtype, manifest_extra=manifest_extra, **layout
+    )
+    with writer.shard(shard_name(0)) as shard:
+        for s in sequences:
+            shard.append(s["seq_id"], s["input_ids"], s["loss_mask"], s["features"], s.get("teacher"))
+    writer.register(shard.info())
+    return StoreReader(path)

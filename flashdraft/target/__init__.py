@@ -1,0 +1,52 @@
+"""The target model: loading and resolution (`load`), tokenizer and chat (`chat`), frozen embedding and head
+(`head`), hidden-state capture (`capture`), CPU probes and dtypes (`cpu`), exact verification (`exact`)."""
+
+from flashdraft.target.capture import capture_features
+from flashdraft.target.chat import MASK_TOKEN, chat_input_ids, chat_template_hash, choose_mask_token, stop_token_ids
+from flashdraft.target.cpu import cpu_bf16_gemm_speedup, cpu_has_bf16_tiles, cpu_has_fast_bf16, resolve_dtype
+from flashdraft.target.exact import (
+    EXACT_ATTENTION,
+    EXACT_ATTENTION_FP32,
+    exact_base_rows,
+    exact_gemm_rows,
+    make_verification_exact,
+    needs_exact_verification,
+)
+from flashdraft.target.head import FrozenHead, frozen_head_from_model, load_frozen_head, read_target_tensors
+from flashdraft.target.load import (
+    EMBEDDED_NAME,
+    load_config,
+    load_target,
+    load_tokenizer,
+    resolve_target,
+    target_fingerprint,
+)
+
+__all__ = [
+    "EMBEDDED_NAME",
+    "EXACT_ATTENTION",
+    "EXACT_ATTENTION_FP32",
+    "MASK_TOKEN",
+    "FrozenHead",
+    "capture_features",
+    "chat_input_ids",
+    "chat_template_hash",
+    "choose_mask_token",
+    "cpu_bf16_gemm_speedup",
+    "cpu_has_bf16_tiles",
+    "cpu_has_fast_bf16",
+    "exact_base_rows",
+    "exact_gemm_rows",
+    "frozen_head_from_model",
+    "load_config",
+    "load_frozen_head",
+    "load_target",
+    "load_tokenizer",
+    "make_verification_exact",
+    "needs_exact_verification",
+    "read_target_tensors",
+    "resolve_dtype",
+    "resolve_target",
+    "stop_token_ids",
+    "target_fingerprint",
+]

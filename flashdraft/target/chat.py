@@ -1,0 +1,85 @@
+"""The target's tokenizer as the stages use it: chat prompts, stop tokens, the template's hash, the mask token."""
+
+from __future__ import annotations
+
+import hashlib
+
+MASK_TOKEN = "<|MASK|>"
+
+
+def chat_input_ids(
+    tokenizer,
+    messages: list[dict],
+    *,
+    add_generation_prompt: bool = True,
+    enable_thinking: bool | None = None,
+    system_prompt: str | None = None,
+) -> list[int]:
+    """Token ids of `messages` rendered by the tokenizer's chat template.
+
+    `system_prompt` is prepended as a system message when the conversation has none;
+    `enable_thinking` is passed to templates that know it (Qwen3) and ignored by others.
+    """
+    if not messages:
+        raise ValueError("empty conversation")
+    messages = list(messages)
+    if system_prompt is not None and messages[0].get("role") != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    kwargs = {}
+    template = str(getattr(tokenizer, "chat_template", "") or "")
+    if enable_thinking is not None and "enable_thinking" in template:
+        kwargs["enable_thinking"] = enable_thinking
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+    )
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def stop_token_ids(model, tokenizer) -> list[int]:
+    ids = getattr(model.generation_config, "eos_token_id", None)
+    if ids is None:
+        ids = tokenizer.eos_token_id
+    if ids is None:
+        return []
+    return [ids] if isinstance(ids, int) else list(ids)
+
+
+def chat_template_hash(tokenizer) -> str:
+    return hashlib.sha256(str(getattr(tokenizer, "chat_template", "") or "").encode()).hexdigest()
+
+
+def choose_mask_token(tokenizer, vocab_size: int, drafter_config=None) -> int:
+    """Pick the id the drafter uses for masked block positions.
+
+    1. The drafter config's `dflash_config.mask_token_id`, if any.
+    2. The tokenizer's own mask token.
+    3. A spare row of a padded embedding (vocab_size > len(tokenizer)): `<|MASK|>` is added to the
+       tokenizer and lands on the first spare row, as in the published Qwen3 drafters (151669).
+    4. Otherwise a reserved special token the chat template never emits. Adding a row to the
+       embedding instead would add a logit to a tied output head and change the target.
+    """
+    dcfg = getattr(drafter_config, "dflash_config", None) or {}
+    if dcfg.get("mask_token_id") is not None:
+        return int(dcfg["mask_token_id"])
+    if getattr(tokenizer, "mask_token_id", None) is not None and tokenizer.mask_token_id < vocab_size:
+        return int(tokenizer.mask_token_id)
+    if len(tokenizer) < vocab_size:
+        tokenizer.add_special_tokens({"mask_token": MASK_TOKEN})
+        return int(tokenizer.convert_tokens_to_ids(MASK_TOKEN))
+    vocab = tokenizer.get_vocab()
+    template = str(getattr(tokenizer, "chat_template", "") or "")
+    used = {tokenizer.eos_token, tokenizer.bos_token, tokenizer.pad_token, tokenizer.unk_token}
+    reserved = sorted(
+        (i, t)
+        for t, i in vocab.items()
+        if "reserved" in t and t.startswith("<") and t not in template and t not in used
+    )
+    if reserved:
+        return reserved[0][0]
+    for token in ("<empty_output>", "<jupyter_script>", "<issue_closed>"):
+        if token in vocab and token not in template:
+            return vocab[token]
+    raise ValueError(
+        "no mask token: the tokenizer has none, the embedding has no spare row and no reserved "
+        "special token was found; set dflash_config.mask_token_id in the drafter config"
+    )
