@@ -24,18 +24,20 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from flashdraft.model import DFlashDrafter, build_target_layer_ids, default_gamma, make_draft_config
-from flashdraft.store import StoreReader, write_store
+from flashdraft.model import DFlashDrafter
+from flashdraft.spec import DraftSpec, default_layer_ids
+from flashdraft.store import StoreReader, is_store, write_store
 from flashdraft.target import load_frozen_head, resolve_target
 from trainer.data import Prefetcher, TrainingData
 from trainer.engine import build_engine, setup_distributed_env
+from trainer.loss import default_gamma
 from trainer.objective import attention_mask, forward_loss
 
-HIDDEN, LAYERS = 576, build_target_layer_ids(30, 5)
+HIDDEN, LAYERS = 576, default_layer_ids(30, 5)
 
 
 def build_store(path: Path, n: int, seed: int = 0) -> StoreReader:
-    if (path / "manifest.json").is_file() and len(StoreReader(path)) == n:
+    if is_store(path) and len(StoreReader(path)) == n:
         return StoreReader(path)
     shutil.rmtree(path, ignore_errors=True)
     rng = np.random.default_rng(seed)
@@ -45,11 +47,16 @@ def build_store(path: Path, n: int, seed: int = 0) -> StoreReader:
             s = int(rng.integers(96, 320))
             mask = np.zeros(s, bool)
             mask[int(rng.integers(16, 64)) :] = True
-            yield {"seq_id": f"bench-{i}", "input_ids": rng.integers(0, 49152, s), "loss_mask": mask,
-                   "features": torch.randn(s, len(LAYERS) * HIDDEN)}
+            yield {
+                "seq_id": f"bench-{i}",
+                "input_ids": rng.integers(0, 49152, s),
+                "loss_mask": mask,
+                "features": torch.randn(s, len(LAYERS) * HIDDEN),
+            }
 
-    return write_store(path, sequences(), layer_ids=LAYERS, hidden_size=HIDDEN, dtype="bfloat16",
-                       manifest_extra={"vocab_size": 49152, "mask_token_id": 0})
+    return write_store(
+        path, sequences(), layer_ids=LAYERS, hidden_size=HIDDEN, dtype="bfloat16", manifest_extra={"vocab_size": 49152}
+    )
 
 
 def timed(fn, repeats):
@@ -80,8 +87,16 @@ def main():
 
     # --- time to first batch: open the store, count anchors, plan the epoch, build batch 1
     t0 = time.perf_counter()
-    data = TrainingData([args.store], layer_ids=LAYERS, block_size=B, num_anchors=args.anchors, max_length=768,
-                        mask_token_id=0, gamma=gamma, heldout_fraction=0.02)
+    data = TrainingData(
+        [args.store],
+        layer_ids=LAYERS,
+        block_size=B,
+        num_anchors=args.anchors,
+        max_length=768,
+        mask_token_id=0,
+        gamma=gamma,
+        heldout_fraction=0.02,
+    )
     plan = data.plan(0, token_budget=args.token_budget)
     mbs = [mb for s in plan.steps for mb in s]
     loader = Prefetcher(data, mbs, 0, workers=args.workers, depth=2 * args.workers)
@@ -101,7 +116,7 @@ def main():
 
     tcfg = AutoConfig.from_pretrained(resolve_target("smollm2-135m"))
     head = load_frozen_head("smollm2-135m")
-    dcfg = make_draft_config(tcfg, mask_token_id=0, num_draft_layers=5, block_size=B, target_layer_ids=LAYERS)
+    dcfg = DraftSpec(LAYERS, mask_token_id=0, block_size=B, num_draft_layers=5).draft_config(tcfg)
     batch = first
     torch.manual_seed(0)
     bare = DFlashDrafter(dcfg)
@@ -120,8 +135,18 @@ def main():
         opt.zero_grad()
 
     torch.manual_seed(0)
-    engine, _ = build_engine(DFlashDrafter(dcfg), lr=6e-4, weight_decay=0.0, betas=(0.9, 0.95), warmup_steps=1,
-                             total_steps=100, zero_stage=2, grad_accum=1, grad_clip=1.0, bf16=False)
+    engine, _ = build_engine(
+        DFlashDrafter(dcfg),
+        lr=6e-4,
+        weight_decay=0.0,
+        betas=(0.9, 0.95),
+        warmup_steps=1,
+        total_steps=100,
+        zero_stage=2,
+        grad_accum=1,
+        grad_clip=1.0,
+        bf16=False,
+    )
 
     def trainer_step():
         loss, _ = forward_loss(engine, head, batch, block_size=B, attention="dense", ce_chunk=512)
@@ -136,16 +161,31 @@ def main():
     seqs_per_step = len(batch.seq_ids)
     need_seq_s = seqs_per_step / step_s
 
-    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; step pairs (bare, trainer) ms: "
-          f"{[(round(a * 1e3), round(b * 1e3)) for a, b in pairs]}")
-    print(f"store: {len(store)} sequences, {int(store.lengths.sum())} tokens, SmolLM2 width ({len(LAYERS)}x{HIDDEN}), bf16")
-    print(f"batch: {seqs_per_step} sequences, {batch.tokens} context tokens, {batch.anchors.shape[1]} anchors x {B}, "
-          f"{int((batch.weights > 0).sum())} loss rows")
-    print(f"step time: trainer {step_s * 1e3:.0f} ms vs bare drafter fwd+bwd+AdamW {bare_s * 1e3:.0f} ms -> "
-          f"{step_s / bare_s:.2f}x (goal <= 1.3x)")
-    print(f"loader: {loader_seq_s:.1f} sequences/s vs {need_seq_s:.2f} needed -> {loader_seq_s / need_seq_s:.1f}x (goal >= 20x)")
+    print(
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; step pairs (bare, trainer) ms: "
+        f"{[(round(a * 1e3), round(b * 1e3)) for a, b in pairs]}"
+    )
+    print(
+        f"store: {len(store)} sequences, {int(store.lengths.sum())} tokens, "
+        f"SmolLM2 width ({len(LAYERS)}x{HIDDEN}), bf16"
+    )
+    print(
+        f"batch: {seqs_per_step} sequences, {batch.tokens} context tokens, {batch.anchors.shape[1]} anchors x {B}, "
+        f"{int((batch.weights > 0).sum())} loss rows"
+    )
+    print(
+        f"step time: trainer {step_s * 1e3:.0f} ms vs bare drafter fwd+bwd+AdamW {bare_s * 1e3:.0f} ms -> "
+        f"{step_s / bare_s:.2f}x (goal <= 1.3x)"
+    )
+    print(
+        f"loader: {loader_seq_s:.1f} sequences/s vs {need_seq_s:.2f} needed -> "
+        f"{loader_seq_s / need_seq_s:.1f}x (goal >= 20x)"
+    )
     print(f"time to first batch: {first_batch_s:.2f} s on {len(store)} sequences (goal <= 5 s)")
-    print(f"tokens/s: {batch.tokens / step_s:.0f} context tokens/s, {batch.anchors.numel() * B / step_s:.0f} block tokens/s")
+    print(
+        f"tokens/s: {batch.tokens / step_s:.0f} context tokens/s, "
+        f"{batch.anchors.numel() * B / step_s:.0f} block tokens/s"
+    )
 
 
 if __name__ == "__main__":

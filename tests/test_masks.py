@@ -1,25 +1,32 @@
 """The training mask: dense == FlexAttention, and dense == running every block on its own."""
 
 import warnings
+from types import SimpleNamespace as StoredSequence
 
 import numpy as np
 import torch
 from transformers import LlamaConfig
 
-from flashdraft.model import DFlashDrafter, make_draft_config
+from flashdraft.model import DFlashDrafter
+from flashdraft.spec import DraftSpec
 from trainer.batch import collate
 from trainer.masks import dense_block_mask, flex_block_mask
-from types import SimpleNamespace as StoredSequence
 
 B = 4
 H = 64
 
 
 def tiny_drafter(seed=0):
-    target = LlamaConfig(vocab_size=64, hidden_size=H, intermediate_size=128, num_hidden_layers=6,
-                         num_attention_heads=4, num_key_value_heads=2)
+    target = LlamaConfig(
+        vocab_size=64,
+        hidden_size=H,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     torch.manual_seed(seed)
-    cfg = make_draft_config(target, mask_token_id=63, num_draft_layers=2, block_size=B, target_layer_ids=[1, 3])
+    cfg = DraftSpec([1, 3], 63, block_size=B, num_draft_layers=2).draft_config(target)
     return DFlashDrafter(cfg).float()
 
 
@@ -28,8 +35,9 @@ def sample_batch(seed=0):
     rng = np.random.default_rng(seed)
     rows = []
     for s, anchors in ((19, [0, 3, 7, 15]), (11, [2, 5])):
-        seq = StoredSequence(seq_id=f"s{s}", input_ids=rng.integers(0, 60, s), loss_mask=np.ones(s, bool),
-                             features=torch.randn(s, 2 * H))
+        seq = StoredSequence(
+            seq_id=f"s{s}", input_ids=rng.integers(0, 60, s), loss_mask=np.ones(s, bool), features=torch.randn(s, 2 * H)
+        )
         rows.append((seq, np.array(anchors)))
     return collate(rows, B, 63, 7.0)
 
@@ -55,7 +63,9 @@ def test_dense_matches_per_block_reference_with_gradients():
     assert not real.all()
     real_q = real.repeat_interleave(B, dim=1)
 
-    out = drafter(noise, batch.context, batch.position_ids, attention_mask=dense_block_mask(batch.anchors, batch.context_len, B))
+    out = drafter(
+        noise, batch.context, batch.position_ids, attention_mask=dense_block_mask(batch.anchors, batch.context_len, B)
+    )
     assert torch.isfinite(out).all()
     (out * probe * real_q[..., None]).sum().backward()
     dense_grads = {n: p.grad.clone() for n, p in drafter.named_parameters()}
@@ -81,9 +91,16 @@ def test_dense_matches_per_block_reference_with_gradients():
 def test_flex_block_mask_matches_dense_forward():
     drafter, batch = tiny_drafter(1), sample_batch(1)
     noise = torch.randn(batch.block_ids.shape + (H,))
-    dense = drafter(noise, batch.context, batch.position_ids, attention_mask=dense_block_mask(batch.anchors, batch.context_len, B))
+    dense = drafter(
+        noise, batch.context, batch.position_ids, attention_mask=dense_block_mask(batch.anchors, batch.context_len, B)
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with torch.no_grad():
-            flex = drafter(noise, batch.context, batch.position_ids, attention_mask=flex_block_mask(batch.anchors, batch.context_len, B))
+            flex = drafter(
+                noise,
+                batch.context,
+                batch.position_ids,
+                attention_mask=flex_block_mask(batch.anchors, batch.context_len, B),
+            )
     torch.testing.assert_close(flex, dense.detach(), atol=1e-5, rtol=1e-4)

@@ -1,12 +1,12 @@
-"""The Hydra configs compose into a TrainConfig: cpu (default) and paper profiles, overrides, sweeps."""
+"""The Hydra configs compose into a TrainConfig and a DrafterConfig: cpu (default) and paper profiles, overrides,
+sweeps, type checks; the training dtype."""
 
 from pathlib import Path
 
 import pytest
-
 from hydra import compose, initialize_config_dir
 
-from trainer.__main__ import train_config
+from trainer.__main__ import drafter_config, train_config
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 
@@ -17,21 +17,47 @@ def composed(*overrides):
 
 
 def test_cpu_profile_is_the_default_and_follows_the_model():
-    tc = train_config(composed())
+    cfg = composed()
+    tc, drafter = train_config(cfg), drafter_config(cfg)
     assert tc.stores == ["runs/smollm2-135m/features"] and tc.drafter_dir == "runs/smollm2-135m/drafter"
-    assert tc.target == "smollm2-135m" and tc.block_size == 16 and tc.num_draft_layers == 5
-    assert tc.dtype == "float32" and tc.attention == "dense" and tc.wandb_mode == "offline"
+    assert tc.target == "smollm2-135m" and (drafter.block_size, drafter.num_layers) == (16, 5)
+    assert drafter.layer_ids is None and drafter.intermediate_size is None  # the stores' layers, the target's width
+    assert tc.dtype == "float32" and tc.attention == "dense" and tc.wandb.mode == "offline"
     assert tc.compile == "false"
 
 
 def test_paper_profile_holds_the_recipe_and_knobs_override():
     tc = train_config(composed("train=paper", "model=qwen3-8b"))
-    assert (tc.epochs, tc.lr, tc.warmup_ratio, tc.grad_clip, tc.num_anchors, tc.max_length) == (6, 6e-4, 0.04, 1.0, 512, 3072)
+    assert (tc.epochs, tc.lr, tc.warmup_ratio, tc.grad_clip, tc.num_anchors, tc.max_length) == (
+        6,
+        6e-4,
+        0.04,
+        1.0,
+        512,
+        3072,
+    )
     assert (tc.dtype, tc.zero_stage, tc.attention) == ("bfloat16", 2, "flex")
     assert tc.target == "Qwen/Qwen3-8B"
-    tc = train_config(composed("train.block_size=8", "train.gamma=4", "train.layer_ids=[1,9,17]",
-                               "train.stores=[a,b]", "train.lr=3e-4"))
-    assert (tc.block_size, tc.gamma, tc.layer_ids, tc.stores, tc.lr) == (8, 4, [1, 9, 17], ["a", "b"], 3e-4)
+    cfg = composed(
+        "train.block_size=8",
+        "train.gamma=4",
+        "train.layer_ids=[1,9,17]",
+        "train.stores=[a,b]",
+        "train.lr=3e-4",
+        "train.compile=false",
+    )
+    tc, drafter = train_config(cfg), drafter_config(cfg)
+    assert (drafter.block_size, tc.gamma, drafter.layer_ids, tc.stores, tc.lr) == (8, 4, [1, 9, 17], ["a", "b"], 3e-4)
+    assert tc.compile.lower() == "false"
+
+
+def test_train_settings_are_checked_against_their_types():
+    from omegaconf.errors import ValidationError
+
+    with pytest.raises(ValidationError, match="max_steps"):
+        train_config(composed("train.max_steps=many"))
+    with pytest.raises(ValidationError, match="stores"):
+        train_config(composed("train.stores=one/path"))  # a list, even of one store
 
 
 def test_sweep_jobs_train_into_their_own_directories():
@@ -52,7 +78,7 @@ def test_profiles_compose_for_every_stage(name):
     run = f"runs/{name}-smollm2-135m"
     cfg = profile(name)
     tc = train_config(cfg)
-    assert tc.init == "target" and tc.block_size == 8 and tc.dtype == "auto"
+    assert tc.init == "target" and drafter_config(cfg).block_size == 8 and tc.dtype == "auto"
     assert (tc.num_anchors, tc.lr) == (16, 2e-3)
     assert tc.gamma == {"quick": 1, "full": 2}[name]  # measured per profile (docs/results.md, "What we tried")
     assert tc.stores == [f"{run}/features"] and tc.eval_stores == [f"{run}/features-heldout"]
@@ -68,7 +94,7 @@ def test_training_dtype_times_the_cpu_and_a_resumed_run_keeps_its_checkpoints():
     import torch
 
     from flashdraft.target import cpu_bf16_gemm_speedup
-    from trainer.train import training_dtype
+    from trainer.engine import training_dtype
 
     cpu = torch.device("cpu")
     speedup = cpu_bf16_gemm_speedup()
@@ -80,4 +106,19 @@ def test_training_dtype_times_the_cpu_and_a_resumed_run_keeps_its_checkpoints():
         assert training_dtype(saved, cpu, resumed=saved) == getattr(torch, saved)
     with pytest.raises(ValueError, match="train.dtype=float32 cannot resume a run saved in bfloat16"):
         training_dtype("float32", cpu, resumed="bfloat16")
-    assert training_dtype("float32", cpu, resumed="legacy") == torch.float32  # checkpoints before the dtype was saved
+
+
+def test_a_checkpoint_that_does_not_record_its_dtype_is_refused_by_name(tmp_path):
+    import json
+
+    from trainer.checkpoint import CLIENT_STATE
+    from trainer.train import saved_dtype
+
+    for tag, client_state in (("step-00000004", {"global_step": 4}), ("step-00000008", None)):
+        (tmp_path / tag).mkdir()
+        if client_state is not None:
+            (tmp_path / tag / CLIENT_STATE).write_text(json.dumps(client_state))
+        with pytest.raises(ValueError, match=f"checkpoint {tmp_path / tag} does not record the dtype"):
+            saved_dtype(tmp_path, tag)
+    (tmp_path / "step-00000004" / CLIENT_STATE).write_text(json.dumps({"global_step": 4, "dtype": "bfloat16"}))
+    assert saved_dtype(tmp_path, "step-00000004") == "bfloat16"

@@ -18,17 +18,33 @@ def make_store(path, n=40, seed=0, teacher_topk=0):
         s = int(rng.integers(6, 40))
         mask = np.zeros(s, bool)
         mask[int(rng.integers(1, s)) :] = True  # some responses are too short to hold a block of 8
-        seqs.append({"seq_id": f"q{i}", "input_ids": rng.integers(0, 50, s), "loss_mask": mask,
-                     "features": torch.randn(s, 2 * H)})
+        seqs.append(
+            {
+                "seq_id": f"q{i}",
+                "input_ids": rng.integers(0, 50, s),
+                "loss_mask": mask,
+                "features": torch.randn(s, 2 * H),
+            }
+        )
         if teacher_topk:
             logp = torch.log_softmax(torch.randn(s, 50), -1).topk(teacher_topk, -1)
             seqs[-1]["teacher"] = (logp.indices, logp.values)
-    return write_store(path, seqs, layer_ids=[2, 5], hidden_size=H, dtype="float32", shard_tokens=256, chunk_tokens=32,
-                       teacher_topk=teacher_topk)
+    return write_store(
+        path,
+        seqs,
+        layer_ids=[2, 5],
+        hidden_size=H,
+        dtype="float32",
+        shard_tokens=256,
+        chunk_tokens=32,
+        teacher_topk=teacher_topk,
+    )
 
 
 def data(store, **kw):
-    args = dict(layer_ids=[5], block_size=8, num_anchors=4, max_length=30, mask_token_id=49, gamma=4.0, heldout_fraction=0.2)
+    args = dict(
+        layer_ids=[5], block_size=8, num_anchors=4, max_length=30, mask_token_id=49, gamma=4.0, heldout_fraction=0.2
+    )
     args.update(kw)
     return TrainingData([store.path], **args)
 
@@ -82,7 +98,9 @@ def test_batches_hold_the_right_blocks_and_loader_keeps_order(tmp_path):
     assert len(a) == min(4, d.valid_anchors[mbs[0][0]])
     assert (b.block_ids[0].view(-1, 8)[: len(a), 0] == torch.as_tensor(seq.input_ids[a.numpy()])).all()
     assert (b.block_ids[0].view(-1, 8)[:, 1:] == 49).all()
-    np.testing.assert_array_equal(b.position_ids[0, b.context_len : b.context_len + 8].numpy(), int(a[0]) + np.arange(8))
+    np.testing.assert_array_equal(
+        b.position_ids[0, b.context_len : b.context_len + 8].numpy(), int(a[0]) + np.arange(8)
+    )
 
 
 def test_soft_label_rows_are_the_targets_topk_after_the_previous_token(tmp_path):
@@ -105,32 +123,6 @@ def test_soft_label_rows_are_the_targets_topk_after_the_previous_token(tmp_path)
         data(plain, teacher=True)
 
 
-def test_weighted_anchors_are_the_ones_draw_anchors_picks_from_the_targets_uncertainty(tmp_path):
-    from trainer.anchors import draw_anchors, hard_start_weights
-
-    store = make_store(tmp_path / "s", teacher_topk=3)
-    d = data(store, num_anchors=2, anchor_uniform_share=0.0)  # hard labels, weighted anchors
-    mbs = [mb for s in d.plan(0, token_budget=120).steps for mb in s]
-    differ = 0
-    for mb in mbs:
-        b = d.batch(mb, 0)
-        assert b.teacher_ids is None  # hard labels: the top-k weighs the anchors, no soft-label tensors are built
-        assert data(store, num_anchors=2, anchor_uniform_share=0.0, teacher=True).batch(mb, 0).teacher_ids is not None
-        for r, i in enumerate(mb):
-            seq = store.read(i, teacher=True)
-            mask = seq.loss_mask[:30]
-            want = draw_anchors(mask, 8, 2, seed=0, epoch=0, seq_id=seq.seq_id,
-                                weights=hard_start_weights(seq.teacher_logp[:30], 0.0))  # fmt: skip
-            got = b.anchors[r][b.weights[r].view(-1, 8).sum(-1) > 0].numpy()
-            np.testing.assert_array_equal(got, want)
-            differ += not np.array_equal(want, draw_anchors(mask, 8, 2, seed=0, epoch=0, seq_id=seq.seq_id))
-    assert differ > 0  # the weights moved some draws away from the uniform ones
-    with pytest.raises(ValueError, match="hold none"):
-        data(make_store(tmp_path / "plain"), anchor_uniform_share=0.5)
-    with pytest.raises(ValueError, match="anchor_uniform_share"):
-        data(store, anchor_uniform_share=-0.1)
-
-
 def test_frequent_tokens_count_the_response_tokens_of_the_training_split(tmp_path):
     store = make_store(tmp_path / "s")
     d = data(store)
@@ -143,44 +135,3 @@ def test_frequent_tokens_count_the_response_tokens_of_the_training_split(tmp_pat
     assert len(words) == 10 and (np.diff(words) > 0).all()
     assert counts[words].min() >= np.delete(counts, words).max()  # no word left out is more frequent
     assert set(d.frequent_tokens(50, 50).tolist()) == set(range(50))
-
-
-def test_the_probe_counts_the_losss_accepted_drafts_and_follow_moves_anchors_by_them(tmp_path):
-    """`accepted_lengths` (the trainer's probe) gives per block the leading drafts the loss's own tau counts; the
-    batch `follow` builds anchors each block where the next served round would start."""
-    from flashdraft.model import DFlashDrafter, make_draft_config
-    from flashdraft.target import load_config, load_frozen_head
-    from tests.test_trainer_fixtures import MASK, tiny_store, tiny_target
-    from trainer.objective import accepted_lengths, forward_loss
-
-    target = tiny_target(tmp_path / "target")
-    store = tiny_store(tmp_path / "store", target, n=8)
-    d = TrainingData([store.path], layer_ids=[1, 3], block_size=4, num_anchors=6, max_length=64, mask_token_id=MASK,
-                     gamma=4.0, anchor_follow=1.0)
-    cfg = make_draft_config(load_config(str(target)), mask_token_id=MASK, num_draft_layers=2, block_size=4,
-                            target_layer_ids=[1, 3], num_target_features=2)
-    torch.manual_seed(0)
-    drafter = DFlashDrafter(cfg)
-    head = load_frozen_head(str(target), dtype=torch.float32)
-    batch = d.batch(list(range(4)), 0)
-    opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
-    for _ in range(10):  # part-trained: some blocks accept nothing, some accept several drafts
-        opt.zero_grad()
-        forward_loss(drafter, head, batch, block_size=4)[0].backward()
-        opt.step()
-    accepted = accepted_lengths(drafter, head, batch, block_size=4)
-    with torch.no_grad():
-        _, stats = forward_loss(drafter, head, batch, block_size=4)
-    real = batch.weights.view(4, -1, 4)[:, :, 1:].sum(-1) > 0
-    assert ((1 + accepted) * real).sum() == stats["accept"]
-    assert len(set(accepted[real].tolist())) >= 3, accepted
-
-    moved, share = d.follow(batch, accepted.numpy(), 0)
-    changed = 0
-    for r, (seq, old) in enumerate(batch.samples):
-        new = moved.anchors[r][moved.weights.view(4, -1, 4)[r].sum(-1) > 0].numpy()
-        allowed = set(old.tolist()) | set((old + accepted[r, : len(old)].numpy() + 1).tolist())
-        assert set(new.tolist()) <= allowed
-        changed += len(set(new.tolist()) - set(old.tolist()))
-        np.testing.assert_array_equal(moved.block_ids.view(4, -1, 4)[r, : len(new), 0], seq.input_ids[new])
-    assert changed > 0 and share == changed / sum(len(a) for _, a in batch.samples)

@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import load_file
 
 from flashdraft.model import DFlashDrafter
-from tests.test_trainer_fixtures import metrics, run_training, tiny_store, tiny_target, train_kwargs
+from tests.test_trainer_fixtures import configs, metrics, run_training, tiny_store, tiny_target, train_kwargs
 from trainer.store_check import StoreMismatch
-from trainer.train import TrainConfig, train
+from trainer.train import train
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,9 @@ def test_kill_during_training_then_resume_repeats_the_uninterrupted_run(setup, t
     for k, v in theirs.state_dict().items():
         torch.testing.assert_close(v, ours.state_dict()[k])
     ckpts = sorted(p.name for p in (crash / "run" / "checkpoints").glob("step-*"))
-    assert len(ckpts) == 3 and all((crash / "run" / "checkpoints" / c / "drafter" / "config.json").is_file() for c in ckpts)
+    assert len(ckpts) == 3 and all(
+        (crash / "run" / "checkpoints" / c / "drafter" / "config.json").is_file() for c in ckpts
+    )
 
 
 def test_nan_loss_stops_with_a_clear_message(setup, tmp_path):
@@ -104,8 +106,7 @@ def test_nan_loss_stops_with_a_clear_message(setup, tmp_path):
 @pytest.mark.parametrize(
     "change, message",
     [
-        (dict(layers=[1, 4]), r"target layers \[3\] are not in the store"),
-        (dict(extra={"mask_token_id": 5}), r"mask token 5 != the drafter's 63"),
+        (dict(layers=[1, 4]), r"layer_ids \[1, 3\] are not all in the feature stores \(\S+/s: \[1, 4\]\)"),
         (dict(extra={"vocab_size": 1000}), r"vocabulary size 1000 != the target's 64"),
         (dict(extra={"target": {"name": "other", "config_sha256": "ab" * 32}}), r"config_sha256 differs"),
     ],
@@ -115,9 +116,8 @@ def test_manifest_mismatch_names_the_field(setup, tmp_path, monkeypatch, change,
     for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29555").items():
         monkeypatch.setenv(k, v)
     store = tiny_store(tmp_path / "s", target, n=4, **change)
-    kw = train_kwargs(tmp_path, store.path, target, mask_token_id=63)
     with pytest.raises(StoreMismatch, match=message):
-        train(TrainConfig(**kw))
+        train(*configs(train_kwargs(tmp_path, store.path, target)))
 
 
 def test_target_init_and_eval_on_separate_held_out_stores(setup, tmp_path):
@@ -125,8 +125,17 @@ def test_target_init_and_eval_on_separate_held_out_stores(setup, tmp_path):
     training stores hold nothing back here, so without them there would be no eval rows)."""
     _, target, store = setup
     eval_store = tiny_store(tmp_path / "eval", target, n=6, seed=7)
-    kw = train_kwargs(tmp_path, store.path, target, init="target", eval_stores=[str(eval_store.path)],
-                      heldout_fraction=0.0, max_steps=4, eval_every=4, checkpoint_every=0)
+    kw = train_kwargs(
+        tmp_path,
+        store.path,
+        target,
+        init="target",
+        eval_stores=[str(eval_store.path)],
+        heldout_fraction=0.0,
+        max_steps=4,
+        eval_every=4,
+        checkpoint_every=0,
+    )
     run_training(tmp_path, kw)
     evals = metrics(tmp_path / "run", "eval/loss")
     assert len(evals) == 1 and evals[0]["eval/tau"] >= 1.0
@@ -146,7 +155,7 @@ def test_init_from_an_exported_drafter_starts_from_its_weights(setup, tmp_path):
     for k in before:
         torch.testing.assert_close(after[k], before[k], atol=0, rtol=0, msg=k)
 
-    from trainer.train import init_from_drafter
+    from trainer.drafter import init_from_drafter
 
     other = DFlashDrafter.from_pretrained(start)
     other.config.num_hidden_layers += 1
@@ -178,26 +187,7 @@ def test_soft_labels_train_and_a_one_hot_teacher_gives_the_hard_label_run(setup,
     np.testing.assert_allclose(runs["one"], runs["hard"], rtol=1e-6)
     assert np.abs(np.subtract(runs["three"], runs["hard"])).max() > 1e-4, runs  # near log(V) at the start either way
     with pytest.raises(ValueError, match="hold none"):
-        train(TrainConfig(**train_kwargs(tmp_path / "bad", store.path, target, soft_labels=0.5, **common)))
-
-
-def test_anchors_that_follow_the_drafters_rounds_train_and_resume_exactly(setup, tmp_path):
-    """train.anchor_follow probes the drafter on the drawn anchors and trains on where its next rounds would
-    start (the steps log the share of anchors moved), and a run resumed from a checkpoint repeats its losses."""
-    _, target, store = setup
-    common = dict(epochs=2, max_steps=6, checkpoint_every=3, keep_checkpoints=3, eval_every=0)
-    kw = train_kwargs(tmp_path, store.path, target, anchor_follow=1.0, **common)
-    run_training(tmp_path, kw)
-    full = metrics(tmp_path / "run")
-    assert len(full) == 6 and np.isfinite([m["loss"] for m in full]).all()
-    assert all(0.0 < m["anchors_moved"] <= 1.0 for m in full), [m["anchors_moved"] for m in full]
-
-    (tmp_path / "run" / "checkpoints" / "latest").write_text("step-00000003")  # as if killed after step 3's checkpoint
-    out = run_training(tmp_path, kw)
-    assert "resumed from" in out.stdout
-    resumed = metrics(tmp_path / "run")
-    assert [m["step"] for m in resumed] == list(range(1, 7))
-    np.testing.assert_allclose([m["loss"] for m in resumed], [m["loss"] for m in full], rtol=1e-6)
+        train(*configs(train_kwargs(tmp_path / "bad", store.path, target, soft_labels=0.5, **common)))
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -227,8 +217,9 @@ def test_two_ranks_train_in_the_dtype_rank_0_timed(setup, tmp_path):
     import json
 
     _, target, store = setup
-    kw = train_kwargs(tmp_path, store.path, target, dtype="auto", epochs=1, max_steps=2, checkpoint_every=2,
-                      eval_every=0)
+    kw = train_kwargs(
+        tmp_path, store.path, target, dtype="auto", epochs=1, max_steps=2, checkpoint_every=2, eval_every=0
+    )
     out = run_training(tmp_path, kw, nproc=2)
     chosen = [line for line in out.stdout.splitlines() if line.startswith("train.dtype=auto: ")]
     assert len(chosen) == 1, out.stdout[-2000:]

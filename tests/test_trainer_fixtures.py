@@ -1,4 +1,5 @@
-"""Shared builders for the trainer tests: a tiny real target folder and small real feature stores."""
+"""Shared builders for the trainer tests: a tiny real target folder (model and tokenizer) and small real feature
+stores."""
 
 from __future__ import annotations
 
@@ -10,26 +11,48 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from tokenizers import Tokenizer, models
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from flashdraft.config import DrafterConfig, TrainConfig
 from flashdraft.store import write_store
 from flashdraft.target import target_fingerprint
 
 H, VOCAB, MASK = 64, 64, 63
 STORE_LAYERS = [1, 3, 4]
+DRAFTER = dict(layer_ids=[1, 3], num_layers=2, block_size=4)  # the DrafterConfig of the trained drafters
 
 
 def tiny_target(folder: Path) -> Path:
+    """A 6-layer Llama whose tokenizer has one word fewer than its embedding: the mask token is the spare row, 63."""
     if not (folder / "config.json").is_file():
         torch.manual_seed(0)
-        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=H, intermediate_size=128, num_hidden_layers=6,
-                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+        cfg = LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=H,
+            intermediate_size=128,
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+        )
         LlamaForCausalLM(cfg).save_pretrained(folder)
+        words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(MASK)}, unk_token="w0"))
+        PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0", eos_token="w1").save_pretrained(folder)
     return folder
 
 
-def tiny_store(path: Path, target: Path, n: int = 24, seed: int = 0, *, lengths=(24, 48), layers=STORE_LAYERS, extra=None,
-               teacher_topk: int = 0):  # fmt: skip
+def tiny_store(
+    path: Path,
+    target: Path,
+    n: int = 24,
+    seed: int = 0,
+    *,
+    lengths=(24, 48),
+    layers=STORE_LAYERS,
+    extra=None,
+    teacher_topk: int = 0,
+):
     """Random sequences: a prompt (loss_mask False) then a response whose tokens follow a simple
     rule (next = prev + 1 mod 60), so a drafter can learn something in a few steps. With teacher_topk
     each token also gets a top-k whose first entry is the next token, as a greedy target's would."""
@@ -44,48 +67,86 @@ def tiny_store(path: Path, target: Path, n: int = 24, seed: int = 0, *, lengths=
         mask = np.zeros(s, bool)
         mask[p:] = True
         feats = torch.randn(s, len(layers) * H) * 0.5
-        feats[:, :H] += torch.nn.functional.one_hot(torch.as_tensor(ids), H).float() * 3  # the token is visible in the features
+        feats[:, :H] += (
+            torch.nn.functional.one_hot(torch.as_tensor(ids), H).float() * 3
+        )  # the token is visible in the features
         seqs.append({"seq_id": f"seq{seed}-{i}", "input_ids": ids, "loss_mask": mask, "features": feats})
         if teacher_topk:
             nxt = np.append(ids[1:], ids[-1])
             others = (nxt[:, None] + 1 + np.arange(teacher_topk - 1)[None, :] * 7) % 60
             logp = np.log(np.linspace(0.6, 0.05, teacher_topk))[None, :].repeat(s, 0)
             seqs[-1]["teacher"] = (np.concatenate([nxt[:, None], others], 1), logp)
-    manifest = {"target": target_fingerprint(str(target)), "vocab_size": VOCAB, "mask_token_id": MASK, **(extra or {})}
-    return write_store(path, seqs, layer_ids=layers, hidden_size=H, dtype="float32", manifest_extra=manifest, teacher_topk=teacher_topk)
+    manifest = {"target": target_fingerprint(str(target)), "vocab_size": VOCAB, **(extra or {})}
+    return write_store(
+        path, seqs, layer_ids=layers, hidden_size=H, dtype="float32", manifest_extra=manifest, teacher_topk=teacher_topk
+    )
 
 
 def train_kwargs(tmp: Path, store, target, **over) -> dict:
-    kw = dict(stores=[str(store)], out_dir=str(tmp / "run"), drafter_dir=str(tmp / "drafter"), target=str(target),
-              layer_ids=[1, 3], num_target_features=2, num_draft_layers=2, block_size=4, num_anchors=6,
-              max_length=64, token_budget=400, epochs=2, zero_stage=2, dtype="float32", device="cpu",
-              attention="dense", compile="false", ce_chunk=64, checkpoint_every=4, eval_every=4, eval_batches=2,
-              heldout_fraction=0.15, wandb_mode="disabled", progress=False, loader_workers=2, prefetch=2)
+    """TrainConfig fields for a small CPU run (the drafter's shape is `DRAFTER`)."""
+    kw = dict(
+        stores=[str(store)],
+        out_dir=str(tmp / "run"),
+        drafter_dir=str(tmp / "drafter"),
+        target=str(target),
+        num_anchors=6,
+        max_length=64,
+        token_budget=400,
+        epochs=2,
+        zero_stage=2,
+        dtype="float32",
+        device="cpu",
+        attention="dense",
+        compile="false",
+        ce_chunk=64,
+        checkpoint_every=4,
+        eval_every=4,
+        eval_batches=2,
+        heldout_fraction=0.15,
+        progress=False,
+        loader_workers=2,
+        prefetch=2,
+    )
     kw.update(over)
     return kw
 
 
+def configs(kwargs: dict, drafter: dict | None = None) -> tuple[TrainConfig, DrafterConfig]:
+    return TrainConfig(**kwargs), DrafterConfig(**(drafter or DRAFTER))
+
+
 RUNNER = textwrap.dedent("""
     import json, sys
-    from trainer.train import TrainConfig, train
-    out = train(TrainConfig(**json.load(open(sys.argv[1]))))
+    from flashdraft.config import DrafterConfig, TrainConfig
+    from trainer.train import train
+    run = json.load(open(sys.argv[1]))
+    out = train(TrainConfig(**run["train"]), DrafterConfig(**run["drafter"]))
     print("RESULT " + json.dumps(out))
 """)
 
 
-def run_training(tmp: Path, kwargs: dict, nproc: int = 1, timeout: int = 240, env=None, wait=True):
-    """Train in fresh processes (plain python for 1, torchrun for several)."""
+def run_training(tmp: Path, kwargs: dict, nproc: int = 1, timeout: int = 240, env=None, wait=True, drafter=None):
+    """Train in fresh processes (plain python for 1, torchrun for several) on TrainConfig(**kwargs) and
+    DrafterConfig(**drafter) (default `DRAFTER`)."""
     import os
 
     tmp.mkdir(parents=True, exist_ok=True)
     cfg = tmp / "train.json"
-    cfg.write_text(json.dumps(kwargs))
+    cfg.write_text(json.dumps({"train": kwargs, "drafter": drafter or DRAFTER}))
     script = tmp / "run_train.py"
     script.write_text(RUNNER)
     if nproc == 1:
         cmd = [sys.executable, str(script), str(cfg)]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script), str(cfg)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            str(script),
+            str(cfg),
+        ]
     full_env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", **(env or {})}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         full_env.pop(k, None)

@@ -7,7 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer.loss import block_labels, block_loss, position_weights, summarize
+from trainer.loss import block_labels, block_loss, default_gamma, position_weights, summarize
+
+
+def test_default_gamma_is_the_papers_for_its_block_sizes():
+    assert (default_gamma(16), default_gamma(10), default_gamma(8)) == (7.0, 5.0, 4.0)
+    assert default_gamma(13) == pytest.approx(6.0) and default_gamma(4) == 2.0 and default_gamma(2) == 1.0
 
 
 def test_position_weights_follow_the_paper():

@@ -1,8 +1,31 @@
-"""metrics.jsonl + W&B offline: rows appended, a resume drops the rows it will recompute."""
+"""Metrics: micro-batch sums summarised; metrics.jsonl + W&B offline: rows appended, a resume drops the rows it will
+recompute."""
 
 import json
 
-from trainer.metrics import MetricsLog
+import pytest
+import torch
+
+from trainer.loss import summarize
+from trainer.metrics import MetricsLog, Tally
+
+
+def test_a_tally_sums_micro_batches_before_it_divides():
+    def stats(correct, total, accept, blocks):
+        return {
+            "pos_correct": torch.tensor(correct),
+            "pos_total": torch.tensor(total),
+            "accept": torch.tensor(accept),
+            "blocks": torch.tensor(blocks),
+        }
+
+    tally = Tally(block_size=3)
+    tally.add(2.0, 100, stats([0.0, 2.0, 1.0], [0.0, 4.0, 3.0], 7.0, 4.0))
+    tally.add(4.0, 50, stats([0.0, 1.0, 0.0], [0.0, 2.0, 2.0], 3.0, 2.0))
+    assert tally.all_sum() is tally and (tally.loss, tally.count) == (6.0, 150.0)  # one process: nothing to add
+    summary = tally.summary(2)
+    assert summary == summarize(stats([0.0, 3.0, 1.0], [0.0, 6.0, 5.0], 10.0, 6.0), 6.0, 2)
+    assert summary["loss"] == 3.0 and summary["acc_1"] == 0.5 and summary["tau"] == pytest.approx(10 / 6)
 
 
 def test_offline_wandb_and_jsonl_survive_a_resume(tmp_path, monkeypatch):

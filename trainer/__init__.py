@@ -1,9 +1,12 @@
 """The training stage: feature stores -> a DFlash drafter (DeepSpeed ZeRO, checkpoints, W&B).
 
-anchors.py  where blocks start          masks.py      the [context | blocks] attention mask
-batch.py    padded micro-batches        loss.py       decayed block loss, accuracy, offline tau
-data.py     store plans, rank sharding, prefetching   objective.py  embed -> drafter -> loss
-engine.py   DeepSpeed setup             checkpoint.py atomic save/resume + HF export
-metrics.py  metrics.jsonl + W&B         store_check.py  manifest vs drafter checks
-train.py    the loop (`TrainConfig`, `train`)          __main__.py   Hydra entry point
+train.py     the loop, read top to bottom      __main__.py    Hydra entry point (TrainConfig, DrafterConfig)
+drafter.py   the drafter's spec (from the stores) and first weights
+store_check.py  the stores' layer ids and target against the drafter
+data.py      store plans, rank sharding, prefetching
+anchors.py   where blocks start                batch.py       padded micro-batches
+masks.py     the [context | blocks] attention mask
+objective.py embed -> drafter -> loss          loss.py        decayed block loss, accuracy, offline tau
+engine.py    DeepSpeed setup, dtype, collectives
+checkpoint.py atomic save/resume + HF export   metrics.py     sums over ranks, metrics.jsonl + W&B
 """

@@ -8,19 +8,20 @@ import re
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from trainer.train import TrainConfig, train
+from flashdraft.config import TrainConfig, register_configs
+from trainer.train import train
 
 
 def train_config(cfg: DictConfig, sweep_subdir: str | None = None) -> TrainConfig:
-    t = OmegaConf.to_container(cfg.train, resolve=True)
-    wandb = t.pop("wandb", {}) or {}
-    t["stores"] = t["stores"] if isinstance(t["stores"], list) else [t["stores"]]
-    t["compile"] = str(t["compile"]).lower()
-    if sweep_subdir:  # each job of a sweep trains into its own directory
-        t["out_dir"] = os.path.join(t["out_dir"], sweep_subdir)
-        t["drafter_dir"] = os.path.join(t["out_dir"], "drafter")
-    return TrainConfig(**t, wandb_mode=wandb.get("mode", "offline"), wandb_project=wandb.get("project", "flashdraft"),
-                       wandb_entity=wandb.get("entity"), run_name=wandb.get("name"))
+    """The train node as a TrainConfig; a sweep's job trains into its own directory."""
+    tc = OmegaConf.to_object(cfg.train)
+    if sweep_subdir:
+        tc.out_dir = os.path.join(tc.out_dir, sweep_subdir)
+        tc.drafter_dir = os.path.join(tc.out_dir, "drafter")
+    return tc
+
+
+register_configs()
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base=None)
@@ -32,7 +33,7 @@ def main(cfg: DictConfig) -> None:
     subdir = None
     if hc.mode == RunMode.MULTIRUN:
         subdir = re.sub(r"[^A-Za-z0-9_.=,-]+", "_", hc.job.override_dirname) or str(hc.job.num)
-    train(train_config(cfg, subdir))
+    train(train_config(cfg, subdir), OmegaConf.to_object(cfg.drafter))
 
 
 if __name__ == "__main__":

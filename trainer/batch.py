@@ -29,7 +29,6 @@ class Batch:
     seq_ids: list
     teacher_ids: torch.Tensor | None = None  # [b, N*B, k] the target's top-k tokens for each label (soft labels)
     teacher_probs: torch.Tensor | None = None  # [b, N*B, k] their probabilities, renormalised over the k
-    samples: list | None = None  # the (sequence, anchors) pairs collated, kept when the trainer moves anchors
 
     @property
     def context_len(self) -> int:
@@ -47,7 +46,12 @@ class Batch:
         return Batch(**moved)
 
     def pin_memory(self) -> Batch:
-        return Batch(**{f.name: (v.pin_memory() if isinstance(v := getattr(self, f.name), torch.Tensor) else v) for f in fields(self)})
+        return Batch(
+            **{
+                f.name: (v.pin_memory() if isinstance(v := getattr(self, f.name), torch.Tensor) else v)
+                for f in fields(self)
+            }
+        )
 
 
 def collate(samples, block_size: int, mask_token_id: int, gamma: float) -> Batch:
@@ -64,7 +68,10 @@ def collate(samples, block_size: int, mask_token_id: int, gamma: float) -> Batch
     soft = getattr(samples[0][0], "teacher_ids", None) is not None
     if soft:
         k = samples[0][0].teacher_ids.shape[1]
-        t_ids, t_probs = np.zeros((b, n_max, block_size, k), dtype=np.int64), np.zeros((b, n_max, block_size, k), dtype=np.float32)
+        t_ids, t_probs = (
+            np.zeros((b, n_max, block_size, k), dtype=np.int64),
+            np.zeros((b, n_max, block_size, k), dtype=np.float32),
+        )
     for r, (seq, a) in enumerate(samples):
         s, n = len(seq.input_ids), len(a)
         if soft:  # label a + j is predicted after token a + j - 1: that row holds the target's top-k for it

@@ -112,7 +112,9 @@ def read_client_state(root: str | Path, tag: str) -> dict | None:
 
 def load_checkpoint(engine, root: str | Path, tag: str) -> dict:
     """Restore weights, optimizer, scheduler and this rank's RNG; returns the client state."""
-    path, client_state = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+    path, client_state = engine.load_checkpoint(
+        str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+    )
     if path is None:
         raise RuntimeError(f"checkpoint {Path(root) / tag} could not be loaded")
     rng_file = Path(root) / tag / f"rng-rank{_rank()}.pt"

@@ -25,7 +25,7 @@ import numpy as np
 from flashdraft.prompts import hash_fraction
 from flashdraft.store import StoreReader
 from flashdraft.vocab import frequent_tokens
-from trainer.anchors import draw_anchors, follow_anchors, hard_start_weights, stable_seed
+from trainer.anchors import draw_anchors, stable_seed
 from trainer.batch import Batch, collate
 
 SORT_WINDOW = 64
@@ -66,25 +66,31 @@ class Plan:
 
 
 class TrainingData:
-    def __init__(self, paths, *, layer_ids, block_size: int, num_anchors: int, max_length: int, mask_token_id: int,
-                 gamma: float, seed: int = 0, heldout_fraction: float = 0.0, teacher: bool = False,
-                 anchor_uniform_share: float = 1.0, anchor_follow: float = 0.0):
+    def __init__(
+        self,
+        paths,
+        *,
+        layer_ids,
+        block_size: int,
+        num_anchors: int,
+        max_length: int,
+        mask_token_id: int,
+        gamma: float,
+        seed: int = 0,
+        heldout_fraction: float = 0.0,
+        teacher: bool = False,
+    ):
         paths = [paths] if isinstance(paths, str) else list(paths)
         if not paths:
             raise ValueError("no feature store given")
         self.readers = [StoreReader(p) for p in paths]
-        if not 0.0 <= anchor_uniform_share <= 1.0:
-            raise ValueError(f"anchor_uniform_share must be in [0, 1], got {anchor_uniform_share}")
-        self.anchor_uniform_share = anchor_uniform_share  # < 1: anchors drawn toward the target's uncertain tokens
-        if not 0.0 <= anchor_follow <= 1.0:
-            raise ValueError(f"anchor_follow must be in [0, 1], got {anchor_follow}")
-        self.anchor_follow = anchor_follow  # > 0: that share of the anchors moves to where the drafter's next round starts
-        self.soft_labels = teacher  # hand the target's top-k to the batches as labels
-        self.teacher = teacher or anchor_uniform_share < 1.0  # read the target's top-k next tokens
-        missing = [str(r.path) for r in self.readers if self.teacher and not r.teacher_topk]
+        self.teacher = teacher  # read the target's top-k next tokens and hand them to the batches (soft labels)
+        missing = [str(r.path) for r in self.readers if teacher and not r.teacher_topk]
         if missing:
-            raise ValueError(f"soft labels and weighted anchors need the target's top-k in every store; {missing} hold "
-                             f"none (capture with data.store.teacher_topk=8)")  # fmt: skip
+            raise ValueError(
+                f"soft labels need the target's top-k in every store; {missing} hold none "
+                f"(capture with data.store.teacher_topk=8)"
+            )
         self.layer_ids = list(layer_ids)
         self.block_size, self.num_anchors, self.max_length = block_size, num_anchors, max_length
         self.mask_token_id, self.gamma, self.seed = mask_token_id, gamma, seed
@@ -99,8 +105,16 @@ class TrainingData:
     def __len__(self) -> int:
         return len(self.seq_ids)
 
-    def plan(self, epoch: int, *, split: str = "train", token_budget: int, world_size: int = 1, rank: int = 0,
-             grad_accum: int = 1) -> Plan:
+    def plan(
+        self,
+        epoch: int,
+        *,
+        split: str = "train",
+        token_budget: int,
+        world_size: int = 1,
+        rank: int = 0,
+        grad_accum: int = 1,
+    ) -> Plan:
         usable = (self.valid_anchors > 0) & (self.heldout if split == "heldout" else ~self.heldout)
         ids = np.flatnonzero(usable)
         skipped = int(((self.valid_anchors == 0) & (self.heldout if split == "heldout" else ~self.heldout)).sum())
@@ -127,8 +141,10 @@ class TrainingData:
         microbatches = [microbatches[k] for k in rng.permutation(len(microbatches))]
         per_step = world_size * grad_accum
         num_steps = -(-len(microbatches) // per_step)
-        steps = [[microbatches[((t * grad_accum + a) * world_size + rank) % len(microbatches)] for a in range(grad_accum)]
-                 for t in range(num_steps)]
+        steps = [
+            [microbatches[((t * grad_accum + a) * world_size + rank) % len(microbatches)] for a in range(grad_accum)]
+            for t in range(num_steps)
+        ]
         return Plan(steps, len(microbatches), skipped)
 
     def frequent_tokens(self, k: int, vocab_size: int) -> np.ndarray:
@@ -150,26 +166,11 @@ class TrainingData:
         samples = []
         for i in indices:
             seq = self.read(i)
-            w = hard_start_weights(seq.teacher_logp, self.anchor_uniform_share) if self.anchor_uniform_share < 1.0 else None
-            a = draw_anchors(seq.loss_mask, self.block_size, self.num_anchors, seed=self.seed, epoch=epoch, seq_id=seq.seq_id,
-                             weights=w)  # fmt: skip
-            if not self.soft_labels:  # read only for the anchor weights: not collated into label tensors
-                seq.teacher_ids = seq.teacher_logp = None
-            samples.append((seq, a))
-        batch = collate(samples, self.block_size, self.mask_token_id, self.gamma)
-        if self.anchor_follow > 0:
-            batch.samples = samples
-        return batch
-
-    def follow(self, batch: Batch, accepted: np.ndarray, epoch: int) -> tuple[Batch, float]:
-        """The batch again with `anchor_follow` of each sequence's anchors moved to where the next served round
-        would start, given the drafts of each block the drafter got right (`accepted` [b, N], from a probe);
-        and the share of its anchors that moved."""
-        samples = [(seq, follow_anchors(seq.loss_mask, self.block_size, a, accepted[r, : len(a)], self.anchor_follow,
-                                        seed=self.seed, epoch=epoch, seq_id=seq.seq_id))
-                   for r, (seq, a) in enumerate(batch.samples)]  # fmt: skip
-        moved = sum(len(np.setdiff1d(new, old)) for (_, old), (_, new) in zip(batch.samples, samples))
-        return collate(samples, self.block_size, self.mask_token_id, self.gamma), moved / sum(len(a) for _, a in batch.samples)
+            anchors = draw_anchors(
+                seq.loss_mask, self.block_size, self.num_anchors, seed=self.seed, epoch=epoch, seq_id=seq.seq_id
+            )
+            samples.append((seq, anchors))
+        return collate(samples, self.block_size, self.mask_token_id, self.gamma)
 
 
 class Prefetcher:
@@ -177,7 +178,16 @@ class Prefetcher:
 
     `wait_s` accumulates the time the consumer spent blocked on data."""
 
-    def __init__(self, data: TrainingData, microbatches, epoch: int, *, workers: int = 2, depth: int = 4, pin_memory: bool = False):
+    def __init__(
+        self,
+        data: TrainingData,
+        microbatches,
+        epoch: int,
+        *,
+        workers: int = 2,
+        depth: int = 4,
+        pin_memory: bool = False,
+    ):
         self.data, self.epoch, self.pin = data, epoch, pin_memory
         self.todo = iter(microbatches)
         self.pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="loader")

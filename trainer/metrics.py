@@ -1,4 +1,5 @@
-"""Training metrics: `metrics.jsonl` in the run dir (always) and W&B (offline unless configured)."""
+"""Training metrics: sums over micro-batches and ranks (`Tally`), written to `metrics.jsonl` in the run dir (always)
+and W&B (offline unless configured)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,61 @@ import os
 import uuid
 from pathlib import Path
 
+import torch
+
+from trainer.engine import all_sum
+from trainer.loss import summarize
+
+
+class Tally:
+    """The losses and loss stats of micro-batches, summed (over ranks too, by `all_sum`) before they are divided."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.sums = torch.zeros(2, dtype=torch.float64)  # loss, a count (tokens when training, micro-batches in eval)
+        self.stats = torch.zeros(
+            2 * block_size + 2, dtype=torch.float64
+        )  # pos_correct [B], pos_total [B], accept, blocks
+
+    def add(self, loss: float, count: float, stats: dict) -> None:
+        self.sums += torch.tensor([loss, count], dtype=torch.float64)
+        parts = [stats["pos_correct"], stats["pos_total"], stats["accept"][None], stats["blocks"][None]]
+        self.stats += torch.cat(parts).double().cpu()
+
+    def all_sum(self) -> Tally:
+        all_sum(self.sums), all_sum(self.stats)
+        return self
+
+    @property
+    def loss(self) -> float:
+        return float(self.sums[0])
+
+    @property
+    def count(self) -> float:
+        return float(self.sums[1])
+
+    def summary(self, num_losses: int) -> dict:
+        """loss (the summed loss over `num_losses`), acc, acc_k and tau (`trainer.loss.summarize`)."""
+        b, v = self.block_size, self.stats
+        stats = {"pos_correct": v[:b], "pos_total": v[b : 2 * b], "accept": v[2 * b], "blocks": v[2 * b + 1]}
+        return summarize(stats, self.loss, num_losses)
+
 
 class MetricsLog:
     """Rank 0 writes; other ranks get a no-op logger."""
 
-    def __init__(self, run_dir: str | Path, *, enabled: bool = True, wandb_mode: str = "offline", project: str = "flashdraft",
-                 entity: str | None = None, name: str | None = None, config: dict | None = None, resume_step: int | None = None):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        enabled: bool = True,
+        wandb_mode: str = "offline",
+        project: str = "flashdraft",
+        entity: str | None = None,
+        name: str | None = None,
+        config: dict | None = None,
+        resume_step: int | None = None,
+    ):
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
         self.run = None
@@ -28,13 +78,25 @@ class MetricsLog:
             id_file = Path(run_dir) / "wandb_id"
             run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
             id_file.write_text(run_id)
-            self.run = wandb.init(project=project, entity=entity, name=name, id=run_id, resume="allow", mode=mode,
-                                  dir=str(run_dir), config=config)
+            self.run = wandb.init(
+                project=project,
+                entity=entity,
+                name=name,
+                id=run_id,
+                resume="allow",
+                mode=mode,
+                dir=str(run_dir),
+                config=config,
+            )
             print(f"wandb ({mode}): {self.run.dir}", flush=True)
 
     def _truncate(self, step: int) -> None:
         """Drop lines past the resumed step: they are recomputed, identically, after a resume."""
-        keep = [line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
+        keep = [
+            line
+            for line in self.path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= step
+        ]
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text("".join(line + "\n" for line in keep))
         os.replace(tmp, self.path)
