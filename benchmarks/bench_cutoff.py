@@ -1,11 +1,7 @@
 """DFlash with the whole block verified vs only its confident prefix (`eval.draft_cutoff`), one run.
 
     .venv/bin/python benchmarks/bench_cutoff.py --drafter runs/full-smollm2-135m/drafter
-        [--cutoffs 0 0.05 0.1 0.2 0.3] [--by-cost] [--trees 7x4 15x4] [--limit 6] [--max-new-tokens 128] [--dtype auto]
-
-`--by-cost` adds the prefix chosen by the verify costs timed at load (`eval.verify_by_cost`), printed as cutoff "cost".
-`--trees` adds tree verification of each size x branching (`eval.tree_size`, `eval.tree_branching`), and with
-`--by-cost` each tree's first nodes chosen by those costs ("7x4 cost").
+        [--cutoffs 0 0.05 0.1 0.2 0.3] [--limit 6] [--max-new-tokens 128] [--dtype auto]
 
 The embedded default target on held-out HumanEval and MT-Bench prompts, greedy, the harness's own loop
 and exact verification. Per prompt, plain decoding and DFlash at every cutoff run back to back, so load
@@ -19,17 +15,12 @@ import argparse
 
 import torch
 
+import flashdraft.target as ft
 from flashdraft.model import DFlashDrafter
-from flashdraft.target import (
-    frozen_head_from_model,
-    load_target,
-    make_verification_exact,
-    needs_exact_verification,
-    resolve_dtype,
-    stop_token_ids,
-)
+from harness.drafter import DrafterProposer
 from harness.evaluate import build_prompts
-from harness.speculative import DrafterProposer, measure_verify_ms, speculative_generate
+from harness.policies import ChainPolicy
+from harness.speculative import speculative_generate
 
 
 def main() -> None:
@@ -37,34 +28,24 @@ def main() -> None:
     ap.add_argument("--drafter", required=True, help="a trained drafter folder (config.json + model.safetensors)")
     ap.add_argument("--cutoffs", type=float, nargs="+", default=[0.0, 0.05, 0.1, 0.2, 0.3])
     ap.add_argument("--limit", type=int, default=6, help="held-out prompts per source")
-    ap.add_argument("--by-cost", action="store_true", help="also the prefix chosen by the verify costs timed at load")
-    ap.add_argument("--trees", nargs="*", default=[], help="tree arms, size x branching (with --by-cost also by cost)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = resolve_dtype(args.dtype, "cpu")
-    target, tokenizer = load_target("smollm2-135m", dtype=dtype)
+    dtype = ft.resolve_dtype(args.dtype, "cpu")
+    target, tokenizer = ft.load_target("smollm2-135m", dtype=dtype)
     drafter = DFlashDrafter.from_pretrained(args.drafter, dtype=dtype)
-    if needs_exact_verification(dtype, "cpu"):
-        make_verification_exact(target)
-    proposer = DrafterProposer(drafter, frozen_head_from_model(target))
-    stop = stop_token_ids(target, tokenizer)
+    if ft.needs_exact_verification(dtype, "cpu"):
+        ft.make_verification_exact(target)
+    proposer = DrafterProposer(drafter, ft.frozen_head_from_model(target))
+    stop = ft.stop_token_ids(target, tokenizer)
     prompts = build_prompts(tokenizer, ["humaneval", "mtbench"], split="heldout", limit=args.limit)
     common = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=stop)
-    speculative_generate(target, prompts[0].input_ids, max_new_tokens=8, proposer=proposer)  # warm-up
+    speculative_generate(target, prompts[0].input_ids, ChainPolicy(proposer), max_new_tokens=8)  # warm-up
 
-    arms = {c: dict(draft_cutoff=c) for c in args.cutoffs}
-    trees = {t: dict(zip(("tree_size", "tree_branching"), map(int, t.split("x")))) for t in args.trees}
-    arms.update(trees)
-    if args.by_cost:
-        rows = max([drafter.block_size] + [1 + t["tree_size"] for t in trees.values()])
-        verify_ms = measure_verify_ms(target, rows)
-        print(f"verify costs (ms, 1..{rows} rows): " + ", ".join(f"{c:.1f}" for c in verify_ms))
-        arms["cost"] = dict(verify_ms=verify_ms)
-        arms.update({f"{t} cost": dict(**tree, verify_ms=verify_ms) for t, tree in trees.items()})
+    arms = {c: ChainPolicy(proposer, cutoff=c) for c in args.cutoffs}
     plain_s, plain_tokens = 0.0, 0
     runs = {c: [] for c in arms}
     for i, p in enumerate(prompts):
@@ -72,16 +53,18 @@ def main() -> None:
         plain_s += plain.decode_s
         plain_tokens += plain.decode_tokens
         for c, arm in arms.items():
-            g = speculative_generate(target, p.input_ids, proposer=proposer, **arm, **common)
+            g = speculative_generate(target, p.input_ids, arm, **common)
             if g.tokens != plain.tokens:
                 raise AssertionError(f"cutoff {c}: output differs from plain decoding on {p.source}/{p.record_id}")
             runs[c].append(g)
         print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
 
     plain_rate = plain_tokens / plain_s
-    print(f"\nSmolLM2-135M {str(dtype).removeprefix('torch.')}, drafter {args.drafter} (block {drafter.block_size}), "
-          f"{len(prompts)} held-out prompts x {args.max_new_tokens} tokens, {torch.get_num_threads()} threads; "
-          f"plain {plain_rate:.2f} tokens/s, every output identical to plain")
+    print(
+        f"\nSmolLM2-135M {str(dtype).removeprefix('torch.')}, drafter {args.drafter} (block {drafter.block_size}), "
+        f"{len(prompts)} held-out prompts x {args.max_new_tokens} tokens, {torch.get_num_threads()} threads; "
+        f"plain {plain_rate:.2f} tokens/s, every output identical to plain"
+    )
     print("    cutoff   tau  verified/round  draft ms  verify ms  round ms  tokens/s  speedup")
     for c, gens in runs.items():
         rounds = sum(len(g.acceptance_lengths) for g in gens)
@@ -89,8 +72,10 @@ def main() -> None:
         seconds = sum(g.decode_s for g in gens)
         ms = lambda part: 1000 * sum(sum(getattr(g, part)) for g in gens) / rounds  # noqa: E731
         verified = sum(sum(g.verified_drafts) for g in gens) / rounds
-        print(f"{c if isinstance(c, str) else format(c, '.2f'):>10s} {tokens / rounds:5.2f}  {verified:14.2f}  {ms('draft_s'):8.1f}  {ms('verify_s'):9.1f}  "
-              f"{1000 * seconds / rounds:8.1f}  {tokens / seconds:8.2f}  {tokens / seconds / plain_rate:6.2f}x")
+        print(
+            f"{c:10.2f} {tokens / rounds:5.2f}  {verified:14.2f}  {ms('draft_s'):8.1f}  {ms('verify_s'):9.1f}  "
+            f"{1000 * seconds / rounds:8.1f}  {tokens / seconds:8.2f}  {tokens / seconds / plain_rate:6.2f}x"
+        )
 
 
 if __name__ == "__main__":

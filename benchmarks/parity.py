@@ -6,18 +6,19 @@ Prints the max |logit difference| over random drafters shaped like the embedded 
 
 import tempfile
 
+import dflash.model as ref_model
 import torch
 from transformers import AutoConfig, LlamaConfig
 
-from flashdraft.model import DFlashDrafter, make_draft_config
+from flashdraft.model import DFlashDrafter
+from flashdraft.spec import DraftSpec, capture_layer_ids
 from flashdraft.target import resolve_target
-
-import dflash.model as ref_model
 
 
 def compare(target_config, num_layers, ctx_len=64, block=16, seed=0):
     torch.manual_seed(seed)
-    ours = DFlashDrafter(make_draft_config(target_config, mask_token_id=0, num_draft_layers=num_layers, block_size=block)).eval()
+    spec = DraftSpec(capture_layer_ids(target_config), 0, block_size=block, num_draft_layers=num_layers)
+    ours = DFlashDrafter(spec.draft_config(target_config)).eval()
     with torch.no_grad():
         for name, p in ours.named_parameters():
             p.copy_(1 + 0.2 * torch.randn_like(p) if name.endswith("norm.weight") else 0.02 * torch.randn_like(p))
@@ -39,7 +40,15 @@ if __name__ == "__main__":
     smol = AutoConfig.from_pretrained(resolve_target("smollm2-135m"))
     diff, scale = compare(smol, 5)
     print(f"smollm2-135m shape, 5 draft layers, block 16: max |dlogit| = {diff:.3e} (max |logit| {scale:.2f})")
-    qwen8b = LlamaConfig(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    qwen8b = LlamaConfig(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    )
     diff, scale = compare(qwen8b, 1, ctx_len=32)
     print(f"qwen3-8b shape, 1 draft layer, block 16: max |dlogit| = {diff:.3e} (max |logit| {scale:.2f})")

@@ -17,20 +17,24 @@ The datastore is built from the *training* store only, with the eval prompts' se
 from __future__ import annotations
 
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import torch
 
 
 class Datastore:
-    def __init__(self, sequences, *, ngram: int = 4, min_count: int = 2, min_share: float = 0.5, min_ngram: int | None = None):
+    def __init__(
+        self, sequences, *, ngram: int = 4, min_count: int = 2, min_share: float = 0.5, min_ngram: int | None = None
+    ):
         """`sequences`: (input_ids, loss_mask) pairs; the tokens whose mask is set (the responses) are the ones
-        the table predicts, from the `ngram` (down to `min_ngram`) tokens before each (which may reach into the prompt)."""
+        the table predicts, from the `ngram` (down to `min_ngram`) tokens before each (which may reach into the
+        prompt)."""
         min_ngram = ngram if min_ngram is None else min_ngram
         if not 1 <= min_ngram <= ngram or min_count < 1 or not 0.0 <= min_share <= 1.0:
-            raise ValueError(f"datastore needs 1 <= min_ngram <= ngram, min_count >= 1 and min_share in [0, 1]; "
-                             f"got ngram {ngram}, min_ngram {min_ngram}, min_count {min_count}, min_share {min_share}")
+            raise ValueError(
+                f"datastore needs 1 <= min_ngram <= ngram, min_count >= 1 and min_share in [0, 1]; "
+                f"got ngram {ngram}, min_ngram {min_ngram}, min_count {min_count}, min_share {min_share}"
+            )
         self.ngram, self.min_ngram, self.min_count, self.min_share = ngram, min_ngram, min_count, min_share
         pairs: Counter = Counter()
         self.sequences = self.tokens = 0
@@ -51,17 +55,21 @@ class Datastore:
             if count > best.get(key, (-1, 0))[1]:
                 best[key] = (token, count)
         self.next_token = {
-            key: token for key, (token, count) in best.items() if count >= min_count and count >= min_share * totals[key]
+            key: token
+            for key, (token, count) in best.items()
+            if count >= min_count and count >= min_share * totals[key]
         }
 
     @classmethod
     def from_store(cls, path, *, exclude=(), **kwargs) -> Datastore:
         """The responses of the feature store at `path`, minus the sequences whose ids are in `exclude`."""
-        from flashdraft.store import MANIFEST, StoreReader
+        from flashdraft.store import StoreReader, is_store
 
-        if not path or not (Path(path) / MANIFEST).is_file():
-            raise FileNotFoundError(f"no feature store at {str(path)!r} to build the datastore from (eval.datastore): "
-                                    "run make features first, or drop dflash_datastore from eval.methods")
+        if not path or not is_store(path):
+            raise FileNotFoundError(
+                f"no feature store at {str(path)!r} to build the datastore from (eval.datastore): "
+                "run make features first, or drop dflash_datastore from eval.methods"
+            )
         store, exclude = StoreReader(path), set(exclude)
         store_ids = set(store.seq_ids)
         datastore = cls(store.token_sequences(skip=exclude), **kwargs)

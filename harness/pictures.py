@@ -11,18 +11,28 @@ from matplotlib import ticker
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-METHOD_COLOURS = {"dflash": "#1f4e9c", "dflash_tree": "#5f3dc4", "dflash_lookup": "#2b8a3e", "dflash_datastore": "#e67700", "prompt_lookup": "#9ec3ea"}  # prompt lookup lighter: the comparison
+METHOD_COLOURS = {
+    "dflash": "#1f4e9c",
+    "dflash_tree": "#5f3dc4",
+    "dflash_lookup": "#2b8a3e",
+    "dflash_datastore": "#e67700",
+    "prompt_lookup": "#9ec3ea",
+}  # prompt lookup lighter: the comparison
 TRAIN_COLOUR, EVAL_COLOUR, SERVED_COLOUR = "#1f4e9c", "#d9480f", "#2b8a3e"
 
 
-def acceptance_lengths_by_source(records, methods=("dflash", "dflash_tree", "dflash_lookup", "dflash_datastore", "prompt_lookup")) -> dict[str, dict[str, list[int]]]:
+def acceptance_lengths_by_source(
+    records, methods=("dflash", "dflash_tree", "dflash_lookup", "dflash_datastore", "prompt_lookup")
+) -> dict[str, dict[str, list[int]]]:
     """{source: {method: acceptance lengths of every round of every prompt}} from evaluate()'s records
     (or the lines of runs.jsonl)."""
     out: dict[str, dict[str, list[int]]] = {}
     for r in records:
         for method in methods:
             if method in r["methods"]:
-                out.setdefault(r["source"], {}).setdefault(method, []).extend(r["methods"][method]["acceptance_lengths"])
+                out.setdefault(r["source"], {}).setdefault(method, []).extend(
+                    r["methods"][method]["acceptance_lengths"]
+                )
     return out
 
 
@@ -53,14 +63,19 @@ def plot_acceptance(lengths_by_source: dict[str, dict[str, list[int]]], block_si
         for i, (method, lengths) in enumerate(per_method.items()):
             fractions = np.bincount(lengths, minlength=top + 1)[1:] / len(lengths)
             tau = sum(lengths) / len(lengths)
-            ax.bar(x + (i - (len(per_method) - 1) / 2) * width, fractions, width,
-                   color=METHOD_COLOURS.get(method), label=f"{method}: tau {tau:.2f}, {len(lengths)} rounds")
+            ax.bar(
+                x + (i - (len(per_method) - 1) / 2) * width,
+                fractions,
+                width,
+                color=METHOD_COLOURS.get(method),
+                label=f"{method}: tau {tau:.2f}, {len(lengths)} rounds",
+            )
         ax.set_title(source)
         ax.set_xticks(x if top <= 24 else x[::2])
         ax.set_xlabel("tokens committed per round")
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize="small")
-    for ax in axes[len(panels):]:
+    for ax in axes[len(panels) :]:
         ax.set_visible(False)
     for ax in axes[::ncols]:
         ax.set_ylabel("fraction of rounds")
@@ -86,10 +101,16 @@ def plot_training(rows: list[dict], path, *, served_tau: float | None = None) ->
     window = max(1, len(train) // 20)
     fig = Figure(figsize=(11, 4), layout="constrained")
     ax_loss, ax_tau = fig.subplots(1, 2)
-    for ax, key, title in ((ax_loss, "loss", "Loss (decayed-weight cross-entropy)"),
-                           (ax_tau, "tau", "Offline tau (1 + leading correct per block)")):
-        train_points = np.array([(r["step"], r[key]) for r in train if r.get(key) is not None], dtype=float).reshape(-1, 2)
-        eval_points = np.array([(r["step"], r[f"eval/{key}"]) for r in evals if r.get(f"eval/{key}") is not None], dtype=float).reshape(-1, 2)
+    for ax, key, title in (
+        (ax_loss, "loss", "Loss (decayed-weight cross-entropy)"),
+        (ax_tau, "tau", "Offline tau (1 + leading correct per block)"),
+    ):
+        train_points = np.array([(r["step"], r[key]) for r in train if r.get(key) is not None], dtype=float).reshape(
+            -1, 2
+        )
+        eval_points = np.array(
+            [(r["step"], r[f"eval/{key}"]) for r in evals if r.get(f"eval/{key}") is not None], dtype=float
+        ).reshape(-1, 2)
         if len(train_points):
             steps, values = train_points.T
             ax.plot(steps, values, color=TRAIN_COLOUR, alpha=0.2, lw=0.8, label="train, per step")
@@ -97,7 +118,9 @@ def plot_training(rows: list[dict], path, *, served_tau: float | None = None) ->
         if len(eval_points):
             ax.plot(*eval_points.T, "o-", color=EVAL_COLOUR, ms=4, label="held-out eval")
         if key == "tau" and served_tau is not None:
-            ax.axhline(served_tau, color=SERVED_COLOUR, ls="--", label=f"served DFlash tau {served_tau:.2f} (this eval)")
+            ax.axhline(
+                served_tau, color=SERVED_COLOUR, ls="--", label=f"served DFlash tau {served_tau:.2f} (this eval)"
+            )
         values = np.concatenate([train_points[:, 1], eval_points[:, 1]])
         if key == "loss" and len(values) and values.min() > 0 and values.max() > 10 * values.min():
             ax.set_yscale("log")  # the first steps' loss dwarfs the rest

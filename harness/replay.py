@@ -1,11 +1,11 @@
 """Served-order replay: the served loop's rounds, run offline on a feature store's stored responses.
 
 The trainer's offline tau anchors blocks at random response positions; a served round starts wherever
-the previous one stopped. Replay walks each stored response as the harness would serve it greedily —
-the first block starts at the first response token, context features are the stored ones, and each
-round advances by the accepted drafts plus one — without running the target. Replay tau equals the
-served tau exactly when the stored responses are the served output and the stored features are the
-served ones; so offline vs replay isolates where blocks start, replay vs served isolates numerics and
+the previous one stopped. Replay walks each stored response as the harness would serve it greedily, with the
+same draft policy (`harness.policies`) — the first block starts at the first response token, context features
+are the stored ones, and each round advances by the accepted drafts plus one — without running the target.
+Replay tau equals the served tau exactly when the stored responses are the served output and the stored features
+are the served ones; so offline vs replay isolates where blocks start, replay vs served isolates numerics and
 responses that differ from the stored ones.
 """
 
@@ -14,73 +14,72 @@ from __future__ import annotations
 import torch
 
 from flashdraft.store import StoreReader
-from harness.lookup import draft_without_drafter
-from harness.speculative import verified_prefix
-from harness.tree import build_tree, follow
+from harness.acceptance import GREEDY
+from harness.tree import follow
+
+
+def _accepted(draft, truth: torch.Tensor) -> int:
+    """How many of the draft's tokens the stored response `truth` accepts (a tree: the longest path it follows)."""
+    if draft.tree is not None:
+        truth = truth.tolist()
+        return len(follow(draft.tree, lambda row, depth: truth[depth] if depth < len(truth) else -1))
+    drafts = draft.tokens[0, 1:][: len(truth)]
+    wrong = (drafts != truth).nonzero()
+    return int(wrong[0, 0]) if len(wrong) else len(truth)
 
 
 @torch.inference_mode()
-def replay_acceptance(proposer, store: StoreReader, seq_id: str, *, max_new_tokens: int, draft_cutoff: float = 0.0,
-                      tree_size: int = 0, tree_branching: int = 4, lookup_ngram: int = 0, lookup_tokens: int = 10,
-                      datastore=None, verified: list | None = None, lookups: list | None = None) -> list[int]:
-    """Committed tokens per round when the stored response of `seq_id` is served greedily by `proposer`
-    (a DrafterProposer) with at most `max_new_tokens` new tokens, as `speculative_generate` counts them
-    (with `tree_size` > 0: a tree of that many candidates verified a round; with `lookup_ngram` > 0, lookup rounds
-    where the newest n-gram occurred before; with a `datastore`, its rounds where there was none). `verified` and `lookups`, if given, get the drafts verified and
-    whether it was a lookup round appended, a round at a time."""
-    seq = store.read(store.index(seq_id), layers=proposer.layer_ids)
-    ids = torch.as_tensor(seq.input_ids)
+def replay_acceptance(
+    policy,
+    store: StoreReader,
+    seq_id: str,
+    *,
+    max_new_tokens: int,
+    verified: list | None = None,
+    sources: list | None = None,
+) -> list[int]:
+    """Committed tokens per round when the stored response of `seq_id` is served greedily by `policy` with at
+    most `max_new_tokens` new tokens, as `speculative_generate` counts them. `verified` and `sources`, if given,
+    get the drafts verified and the round's draft source (`Draft.source`) appended, a round at a time."""
+    seq = store.read(store.index(seq_id), layers=policy.layer_ids)
     response = seq.loss_mask.nonzero()[0]
     if len(response) == 0:
         return []
-    device, dtype = proposer.head.lm_head.weight.device, proposer.head.lm_head.weight.dtype
-    features = seq.features.to(device=device, dtype=dtype)[None]
+    features = device = None
+    if policy.layer_ids is not None:
+        head = policy.proposer.head.lm_head.weight  # the drafter's dtype and device
+        device, features = head.device, seq.features.to(device=head.device, dtype=head.dtype)[None]
+    ids = torch.as_tensor(seq.input_ids).to(device)
     first = int(response[0])  # the token the prefill emits: the first block starts there
     limit = first + max_new_tokens  # served blocks shrink only here, not at the stop token
     end = min(len(ids), limit)
-    proposer.start()
+    policy.start()
     lengths, start, context_from = [], first, 0
     while start + 1 < end:
-        found, _ = draft_without_drafter(ids[: start + 1], min(lookup_tokens, limit - start - 1), lookup_ngram=lookup_ngram,
-                                         datastore=datastore)  # fmt: skip
-        if found is None:
-            size = min(proposer.block_size, limit - start)
-            block = torch.full((1, size), proposer.mask_token_id, dtype=torch.long, device=device)
-            block[0, 0] = ids[start]
-            logits = proposer(block, features[:, context_from:start], start)
+        context = features[:, context_from:start] if features is not None else None
+        draft = policy.draft(ids, start, limit - start, context, GREEDY)
+        if draft.took_context:
             context_from = start
-            if draft_cutoff > 0:
-                size = 1 + verified_prefix(logits, draft_cutoff)
-        else:
-            size = 1 + len(found)
-        truth = ids[start + 1 : min(start + size, end)]
-        if found is None and tree_size:
-            tree = build_tree(logits, tree_size, tree_branching)
-            accepted = len(follow(tree, lambda row, depth: truth[depth] if depth < len(truth) else -1))
-            size = 1 + tree.size
-        else:  # a chain: the lookup draft or the drafter's top tokens
-            drafts = (found if found is not None else logits.argmax(dim=-1).cpu())[: len(truth)]
-            wrong = (drafts != truth).nonzero()
-            accepted = int(wrong[0, 0]) if len(wrong) else len(truth)
-        produced = min(accepted + 1, end - start - 1)
+        produced = min(_accepted(draft, ids[start + 1 : min(start + draft.tokens.shape[1], end)]) + 1, end - start - 1)
         lengths.append(produced)
         if verified is not None:
-            verified.append(size - 1)
-        if lookups is not None:
-            lookups.append(found is not None)
+            verified.append(draft.tokens.shape[1] - 1)
+        if sources is not None:
+            sources.append(draft.source)
         start += produced
     return lengths
 
 
-def replay_tau(proposer, store_path, seq_ids, *, max_new_tokens: int, draft_cutoff: float = 0.0, tree_size: int = 0,
-               tree_branching: int = 4, lookup_ngram: int = 0, lookup_tokens: int = 10, datastore=None) -> dict | None:
+def replay_tau(policy, store_path, seq_ids, *, max_new_tokens: int) -> dict | None:
     """Replay over the eval prompts found in the store: {"tau", "prompts", "missing"}; None when none is there."""
     store = StoreReader(store_path)
     present = set(store.seq_ids)
     found = [s for s in seq_ids if s in present]
     if not found:
         return None
-    rounds = [n for s in found for n in replay_acceptance(proposer, store, s, max_new_tokens=max_new_tokens, draft_cutoff=draft_cutoff,
-                                                          tree_size=tree_size, tree_branching=tree_branching,
-                                                          lookup_ngram=lookup_ngram, lookup_tokens=lookup_tokens, datastore=datastore)]  # fmt: skip
-    return {"tau": sum(rounds) / len(rounds) if rounds else None, "prompts": len(found), "missing": len(seq_ids) - len(found)}
+    rounds = [n for s in found for n in replay_acceptance(policy, store, s, max_new_tokens=max_new_tokens)]
+    return {
+        "tau": sum(rounds) / len(rounds) if rounds else None,
+        "prompts": len(found),
+        "missing": len(seq_ids) - len(found),
+    }

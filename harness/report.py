@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from harness.evaluate import DRAFTER_METHODS, LOOKUP_METHODS
-from harness.training_log import PARITY_TOLERANCE
+from harness.methods import DRAFTER_METHODS, LOOKUP_METHODS
+from harness.training_log import PARITY_TOLERANCE, parity_line
 
 TIMING_NOTE = (
     "Decode time excludes the prefill (the prompt forward that emits the first token; for prompt lookup, "
@@ -35,7 +35,10 @@ def _fmt(value, spec=".2f", unit="") -> str:
 def methods_table(methods: dict) -> str:
     loaded = any("speedup_vs_loaded" in m for m in methods.values())
     extra = " vs as loaded |" if loaded else ""
-    lines = [f"| method | tau | tokens/s | speedup |{extra} lossless | decode tokens | decode s |", "|---|---|---|---|" + "---|" * (3 + loaded)]
+    lines = [
+        f"| method | tau | tokens/s | speedup |{extra} lossless | decode tokens | decode s |",
+        "|---|---|---|---|" + "---|" * (3 + loaded),
+    ]
     for name, m in methods.items():
         vs_loaded = f" {_fmt(m.get('speedup_vs_loaded'), unit='x')} |" if loaded else ""
         lines.append(
@@ -57,8 +60,14 @@ def render_markdown(report: dict) -> str:
         f"block size {s['block_size']}, prompt lookup {s['prompt_lookup_num_tokens']} tokens",
         f"- device {s['device']} ({s['dtype']}, {s.get('attention', 'sdpa')} attention), torch {s['torch']}, transformers {s['transformers']}, "
         f"{s['torch_threads']} threads, {s['date']}",
-        *([f"- exact verification, GEMM rows (a shorter tile padded to): "
-           + ", ".join(f"{k} {v}" for k, v in s["exact_gemm_rows"].items())] if s.get("exact_gemm_rows") else []),
+        *(
+            [
+                "- exact verification, GEMM rows (a shorter tile padded to): "
+                + ", ".join(f"{k} {v}" for k, v in s["exact_gemm_rows"].items())
+            ]
+            if s.get("exact_gemm_rows")
+            else []
+        ),
         "",
         methods_table(methods),
         "",
@@ -66,39 +75,73 @@ def render_markdown(report: dict) -> str:
         "",
     ]
     if s.get("resumed_prompts"):
-        out[-1:-1] = [f"Resumed: {s['resumed_prompts']} prompts were measured by an interrupted run with the same settings.", ""]
+        out[-1:-1] = [
+            f"Resumed: {s['resumed_prompts']} prompts were measured by an interrupted run with the same settings.",
+            "",
+        ]
     sources = list(next(iter(methods.values()))["by_source"])
     for source in sources:
         out += [f"## {source}", "", methods_table({name: m["by_source"][source] for name, m in methods.items()}), ""]
     for method in (m for m in DRAFTER_METHODS if m in methods):
-        d = methods[method]
-        hist = d["acceptance_histogram"]
-        total = max(sum(hist.values()), 1)
-        parts = [f"tree of {s['tree_size']} candidates, {s['tree_branching']} a position"] if method != "dflash" else []
-        if method in LOOKUP_METHODS:
-            parts.append(f"lookup rounds where the newest {s.get('lookup_ngram')} tokens occurred before: "
-                         f"{d.get('lookup_rounds', 0) - d.get('datastore_rounds', 0)} of {d['rounds']}")
-        if method == "dflash_datastore" and (store := s.get("datastore")):
-            parts.append(f"datastore rounds, the continuation of the newest {s.get('datastore_ngram')} (down to "
-                         f"{s.get('datastore_min_ngram')}) tokens seen at least "
-                         f"{s.get('datastore_min_count')} times in {store['sequences']:,} training responses: "
-                         f"{d.get('datastore_rounds', 0)} of {d['rounds']}")
-        tree = f" ({'; '.join(parts)})" if parts else ""
+        out += _rounds_section(method, methods[method], s)
+    out += _training_section(report)
+    bad = {
+        name: m.get("mismatched_prompts")
+        for name, m in methods.items()
+        if m.get("lossless") is False and name != "plain_as_loaded"
+    }
+    if bad:
+        out += ["## NOT LOSSLESS", "", *[f"- {name}: {', '.join(p)}" for name, p in bad.items()], ""]
+    if methods.get("plain_as_loaded", {}).get("lossless") is False:
         out += [
-            f"## {method} rounds{tree}",
-            "",
-            "Acceptance length (tokens committed per round) histogram:",
-            "",
-            "| " + " | ".join(hist) + " |",
-            "|" + "---|" * len(hist),
-            "| " + " | ".join(f"{c} ({100 * c / total:.0f}%)" for c in hist.values()) + " |",
-            "",
-            "Mean round time: " + ", ".join(f"{k} {v:.2f} ms" for k, v in d["round_ms"].items())
-            + f" (total {sum(d['round_ms'].values()):.2f} ms over {d['rounds']} rounds)"
-            + (f"; drafts verified per round {d['verified_drafts']:.2f}" if d.get("verified_drafts") is not None else "")
-            + (f" (eval.draft_cutoff {cutoff})" if method == "dflash" and (cutoff := report.get("settings", {}).get("draft_cutoff")) else ""),
+            "Plain decoding of the target as loaded left the exact target's greedy output on "
+            f"{', '.join(methods['plain_as_loaded']['mismatched_prompts'])} (last-bit differences at a near-tie; the "
+            "speculative methods are compared with the exact target's plain decoding).",
             "",
         ]
+    return "\n".join(out)
+
+
+def _rounds_section(method: str, d: dict, s: dict) -> list[str]:
+    """A drafter method's acceptance histogram and round-time split (`d`: its summary, `s`: the settings)."""
+    hist = d["acceptance_histogram"]
+    total = max(sum(hist.values()), 1)
+    parts = [f"tree of {s['tree_size']} candidates, {s['tree_branching']} a position"] if method != "dflash" else []
+    if method in LOOKUP_METHODS:
+        parts.append(
+            f"lookup rounds where the newest {s.get('lookup_ngram')} tokens occurred before: "
+            f"{d.get('lookup_rounds', 0) - d.get('datastore_rounds', 0)} of {d['rounds']}"
+        )
+    if method == "dflash_datastore" and (store := s.get("datastore")):
+        parts.append(
+            f"datastore rounds, the continuation of the newest {s.get('datastore_ngram')} (down to "
+            f"{s.get('datastore_min_ngram')}) tokens seen at least "
+            f"{s.get('datastore_min_count')} times in {store['sequences']:,} training responses: "
+            f"{d.get('datastore_rounds', 0)} of {d['rounds']}"
+        )
+    tree = f" ({'; '.join(parts)})" if parts else ""
+    cutoff = s.get("draft_cutoff") if method == "dflash" else None
+    return [
+        f"## {method} rounds{tree}",
+        "",
+        "Acceptance length (tokens committed per round) histogram:",
+        "",
+        "| " + " | ".join(hist) + " |",
+        "|" + "---|" * len(hist),
+        "| " + " | ".join(f"{c} ({100 * c / total:.0f}%)" for c in hist.values()) + " |",
+        "",
+        "Mean round time: "
+        + ", ".join(f"{k} {v:.2f} ms" for k, v in d["round_ms"].items())
+        + f" (total {sum(d['round_ms'].values()):.2f} ms over {d['rounds']} rounds)"
+        + (f"; drafts verified per round {d['verified_drafts']:.2f}" if d.get("verified_drafts") is not None else "")
+        + (f" (eval.draft_cutoff {cutoff})" if cutoff else ""),
+        "",
+    ]
+
+
+def _training_section(report: dict) -> list[str]:
+    """The acceptance picture, then train/serve parity and the training picture."""
+    out = []
     pictures = report.get("pictures") or {}
     if "acceptance" in pictures:
         out += [f"![Acceptance length per prompt set]({pictures['acceptance']})", ""]
@@ -106,29 +149,46 @@ def render_markdown(report: dict) -> str:
     if parity or "training" in pictures:
         out += ["## Training", ""]
     if parity:
+        replayed = "-" if not parity.get("replay_tau") else format(parity["replay_tau"], ".3f")
+        gap = f" The gap exceeds {PARITY_TOLERANCE:.0%}: {parity['explanation']}" if parity["explanation"] else ""
         out += [
             "Train/serve parity:",
             "",
-            f"| offline tau (trainer's held-out eval, step {parity['offline_step']}) | served-order replay on the stored responses | served DFlash tau (this eval) | relative gap |",
+            f"| offline tau (trainer's held-out eval, step {parity['offline_step']}) | served-order replay on the stored "
+            "responses | served DFlash tau (this eval) | relative gap |",
             "|---|---|---|---|",
-            f"| {parity['offline_tau']:.3f} | {'-' if not parity.get('replay_tau') else format(parity['replay_tau'], '.3f')} "
-            f"| {parity['served_tau']:.3f} | {100 * parity['relative_gap']:+.1f}% |",
+            f"| {parity['offline_tau']:.3f} | {replayed} | {parity['served_tau']:.3f} | {100 * parity['relative_gap']:+.1f}% |",
             "",
-            f"Trainer metrics: `{parity['metrics']}`." + (f" The gap exceeds {PARITY_TOLERANCE:.0%}: {parity['explanation']}" if parity["explanation"] else ""),
+            f"Trainer metrics: `{parity['metrics']}`.{gap}",
             "",
         ]
         if parity.get("replay_tree_tau"):
-            out += [f"Tree verification: served-order replay {parity['replay_tree_tau']:.3f}, served dflash_tree tau {parity['served_tree_tau']:.3f}.", ""]
+            out += [
+                f"Tree verification: served-order replay {parity['replay_tree_tau']:.3f}, served dflash_tree tau "
+                f"{parity['served_tree_tau']:.3f}.",
+                "",
+            ]
     if "training" in pictures:
         out += [f"![Training curves: loss and offline tau]({pictures['training']})", ""]
-    bad = {name: m.get("mismatched_prompts") for name, m in methods.items() if m.get("lossless") is False and name != "plain_as_loaded"}
-    if bad:
-        out += ["## NOT LOSSLESS", "", *[f"- {name}: {', '.join(p)}" for name, p in bad.items()], ""]
-    if methods.get("plain_as_loaded", {}).get("lossless") is False:
-        out += ["Plain decoding of the target as loaded left the exact target's greedy output on "
-                f"{', '.join(methods['plain_as_loaded']['mismatched_prompts'])} (last-bit differences at a near-tie; the "
-                "speculative methods are compared with the exact target's plain decoding).", ""]
-    return "\n".join(out)
+    return out
+
+
+def console_summary(report: dict) -> str:
+    """What `python -m harness` prints: the methods table, each drafter method's rounds, train/serve parity."""
+    untrained = "\n!!! " + report["warning"] + "\n" if report.get("warning") else ""
+    lines = [untrained + "\n" + methods_table(report["methods"])]
+    for method in (m for m in DRAFTER_METHODS if m in report["methods"]):
+        d = report["methods"][method]
+        verified = "" if d.get("verified_drafts") is None else f"; drafts verified per round {d['verified_drafts']:.2f}"
+        lookup = f"; lookup rounds {d['lookup_rounds']} of {d['rounds']}" if "lookup_rounds" in d else ""
+        lookup += f" ({d['datastore_rounds']} from the datastore)" if "datastore_rounds" in d else ""
+        lines.append(
+            f"{method} acceptance histogram {json.dumps(d['acceptance_histogram'])}{verified}{lookup}; round ms "
+            + ", ".join(f"{k} {v:.1f}" for k, v in d["round_ms"].items())
+        )
+    if parity := report.get("train_serve_parity"):
+        lines.append(parity_line(parity) + (f"\n  {parity['explanation']}" if parity["explanation"] else ""))
+    return "\n".join(lines)
 
 
 def write_report(report: dict, out_dir) -> tuple[Path, Path]:

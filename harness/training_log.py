@@ -40,13 +40,14 @@ def last_eval_tau(rows) -> tuple[int, float] | None:
 
 
 CUTOFF_REASON = (
-    "The harness verified only draft prefixes, or the trees' first nodes (eval.draft_cutoff > 0 or eval.verify_by_cost), which "
-    "caps served tau below what the whole block or tree would reach; compare with eval.draft_cutoff=0 and eval.verify_by_cost=false."
+    "The harness verified only draft prefixes (eval.draft_cutoff > 0), which caps served tau below what the whole "
+    "block would reach; compare with eval.draft_cutoff=0."
 )
 
 
-def train_serve_parity(rows, served_tau: float | None, *, draft_cutoff: float = 0.0, verify_by_cost: bool = False,
-                       replay: dict | None = None) -> dict | None:
+def train_serve_parity(
+    rows, served_tau: float | None, *, draft_cutoff: float = 0.0, replay: dict | None = None
+) -> dict | None:
     """Offline tau (last eval/tau) vs served DFlash tau, with the relative gap (served - offline) / offline;
     None when either is missing. `replay` (harness.replay.replay_tau on the eval prompts' store) splits a
     large gap into where blocks start (offline -> replay) and everything else (replay -> served)."""
@@ -58,7 +59,7 @@ def train_serve_parity(rows, served_tau: float | None, *, draft_cutoff: float = 
     replay_tau = (replay or {}).get("tau")
     explanation = None
     if abs(gap) > PARITY_TOLERANCE:
-        parts = [PARITY_REASONS] + [CUTOFF_REASON] * (draft_cutoff > 0 or verify_by_cost)
+        parts = [PARITY_REASONS] + [CUTOFF_REASON] * (draft_cutoff > 0)
         if replay_tau:
             parts.append(
                 f"Replaying the served rounds offline on the stored responses of the same prompts gives tau {replay_tau:.3f}: "
@@ -78,8 +79,19 @@ def train_serve_parity(rows, served_tau: float | None, *, draft_cutoff: float = 
 
 
 def parity_line(parity: dict) -> str:
-    replay = "" if not parity.get("replay_tau") else f", served-order replay on the stored responses {parity['replay_tau']:.3f}"
-    tree = "" if not parity.get("replay_tree_tau") else (
-        f"; tree verification: replay {parity['replay_tree_tau']:.3f} vs served dflash_tree tau {parity['served_tree_tau']:.3f}")
-    return (f"train/serve parity: offline tau {parity['offline_tau']:.3f} (trainer's held-out eval, step "
-            f"{parity['offline_step']}){replay} vs served dflash tau {parity['served_tau']:.3f}: gap {100 * parity['relative_gap']:+.1f}%{tree}")
+    replay = (
+        ""
+        if not parity.get("replay_tau")
+        else f", served-order replay on the stored responses {parity['replay_tau']:.3f}"
+    )
+    tree = (
+        ""
+        if not parity.get("replay_tree_tau")
+        else (
+            f"; tree verification: replay {parity['replay_tree_tau']:.3f} vs served dflash_tree tau {parity['served_tree_tau']:.3f}"
+        )
+    )
+    return (
+        f"train/serve parity: offline tau {parity['offline_tau']:.3f} (trainer's held-out eval, step "
+        f"{parity['offline_step']}){replay} vs served dflash tau {parity['served_tau']:.3f}: gap {100 * parity['relative_gap']:+.1f}%{tree}"
+    )

@@ -64,13 +64,12 @@ def build_tree(draft_logits: torch.Tensor, size: int, branching: int = 4) -> Dra
         if depth < depth_max:  # the first child: this path extended by the next depth's top token
             heapq.heappush(frontier, (score * probs[depth][0], pushed, row, depth + 1, 0))
             pushed += 1
-    return DraftTree(torch.tensor(tokens, dtype=torch.long, device=draft_logits.device), tuple(parents), tuple(depths),
-                     tuple(path_probs))
-
-
-def first_nodes(tree: DraftTree, count: int) -> DraftTree:
-    """The tree of its first `count` nodes: best-first order puts every parent before its children."""
-    return DraftTree(tree.tokens[:count], tree.parents[:count], tree.depths[:count], tree.path_probs[:count])
+    return DraftTree(
+        torch.tensor(tokens, dtype=torch.long, device=draft_logits.device),
+        tuple(parents),
+        tuple(depths),
+        tuple(path_probs),
+    )
 
 
 def tree_mask(tree: DraftTree, context: int, device=None) -> torch.Tensor:

@@ -7,9 +7,12 @@ import torch
 
 from flashdraft.store import write_store
 from flashdraft.target import frozen_head_from_model
+from harness.acceptance import Sampling
 from harness.datastore import Datastore
-from harness.speculative import DrafterProposer, speculative_generate
-from tests.test_speculative import VOCAB, OracleProposer, one_thread, setup, tiny_target  # noqa: F401  (fixtures)
+from harness.drafter import DrafterProposer
+from harness.policies import ChainPolicy, DatastorePolicy, LookupPolicy
+from harness.speculative import speculative_generate
+from tests.test_speculative import VOCAB, OracleProposer, drafting, one_thread, setup, tiny_target  # noqa: F401  (fixtures)
 
 
 def pair(ids, prompt_len):
@@ -36,7 +39,12 @@ def test_table_keeps_confident_continuations_of_response_tokens():
     assert prefix.next_token == {(5, 6, 7): 8}
     backoff = Datastore(seqs[:1], ngram=3, min_ngram=2, min_count=1)  # (9, 1, 2) never occurred: (1, 2) drafts instead
     assert Datastore(seqs[:1], ngram=3, min_count=1).draft(torch.tensor([9, 1, 2]), 4) is None
-    assert backoff.draft(torch.tensor([9, 1, 2]), 4).tolist() == [4, 1, 2, 3]  # then the 3-grams (1, 2, 4), (2, 4, 1), ...
+    assert backoff.draft(torch.tensor([9, 1, 2]), 4).tolist() == [
+        4,
+        1,
+        2,
+        3,
+    ]  # then the 3-grams (1, 2, 4), (2, 4, 1), ...
     with pytest.raises(ValueError, match="ngram"):
         Datastore(seqs, ngram=0)
     with pytest.raises(ValueError, match="min_ngram"):
@@ -63,13 +71,21 @@ def test_datastore_rounds_are_lossless_right_or_wrong(setup, tree_size):  # noqa
     lookup and drafter rounds: the output stays plain greedy's, and the drafter's cache stays whole."""
     target, drafter, prompts, plain = setup
     proposer = DrafterProposer(drafter, frozen_head_from_model(target))
-    right = Datastore([pair(torch.cat([p[0], torch.tensor(t)]), p.shape[1]) for p, t in zip(prompts[:10], plain[:10])], ngram=3, min_count=1)
-    wrong = Datastore([pair(torch.cat([p[0], (torch.tensor(t) + 1) % VOCAB]), p.shape[1]) for p, t in zip(prompts, plain)], ngram=2, min_count=1)
+    right = Datastore(
+        [pair(torch.cat([p[0], torch.tensor(t)]), p.shape[1]) for p, t in zip(prompts[:10], plain[:10])],
+        ngram=3,
+        min_count=1,
+    )
+    wrong = Datastore(
+        [pair(torch.cat([p[0], (torch.tensor(t) + 1) % VOCAB]), p.shape[1]) for p, t in zip(prompts, plain)],
+        ngram=2,
+        min_count=1,
+    )
     for datastore in (right, wrong):
         rounds = drafted = 0
         for p, expected in zip(prompts, plain):
-            spec = speculative_generate(target, p, max_new_tokens=32, proposer=proposer, tree_size=tree_size, lookup_ngram=3,
-                                        lookup_tokens=10, datastore=datastore)
+            policy = LookupPolicy(3, 10, DatastorePolicy(datastore, 10, drafting(proposer, tree_size)))
+            spec = speculative_generate(target, p, policy, max_new_tokens=32)
             assert spec.tokens == expected
             assert spec.datastore_rounds <= spec.lookup_rounds <= len(spec.acceptance_lengths)
             rounds += spec.datastore_rounds
@@ -85,9 +101,12 @@ def test_datastore_of_the_same_response_commits_it_without_the_drafter():
     plain = speculative_generate(target, p, max_new_tokens=40).tokens
     datastore = Datastore([pair(torch.cat([p[0], torch.tensor(plain)]), p.shape[1])], ngram=3, min_count=1)
     oracle = OracleProposer(plain, p.shape[1], 8, wrong=range(60))
-    spec = speculative_generate(target, p, max_new_tokens=40, proposer=oracle, datastore=datastore, lookup_tokens=10)
+    spec = speculative_generate(target, p, DatastorePolicy(datastore, 10, ChainPolicy(oracle)), max_new_tokens=40)
     assert spec.tokens == plain
-    assert spec.datastore_rounds == spec.lookup_rounds > 0 and len(oracle.blocks) == len(spec.acceptance_lengths) - spec.datastore_rounds
+    assert (
+        spec.datastore_rounds == spec.lookup_rounds > 0
+        and len(oracle.blocks) == len(spec.acceptance_lengths) - spec.datastore_rounds
+    )
     assert spec.tau > 4 and max(spec.acceptance_lengths) == 11
     with pytest.raises(ValueError, match="greedy only"):
-        speculative_generate(target, p, max_new_tokens=4, datastore=datastore, temperature=0.7)
+        speculative_generate(target, p, DatastorePolicy(datastore), max_new_tokens=4, sampling=Sampling(0.7))

@@ -15,6 +15,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from harness.__main__ import run, run_key
+from harness.methods import METHODS
 from tests.test_speculative import one_thread, tiny_drafter, tiny_target  # noqa: F401 (one_thread: autouse fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,12 +32,18 @@ def target_dir(tmp_path_factory):
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        vocab_size=300,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    bpe.train_from_iterator(["def solution(x):\n    return x + 1\n", "Write a story about a user and an assistant."] * 50, trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHATML)
-    model = tiny_target("llama", vocab=320)  # spare rows past the tokenizer: the mask token lands on one
+    bpe.train_from_iterator(
+        ["def solution(x):\n    return x + 1\n", "Write a story about a user and an assistant."] * 50, trainer
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHATML
+    )
+    model = tiny_target("llama", vocab=320, layers=10)  # spare rows past the tokenizer: the mask token lands on one;
+    # 10 layers: the untrained drafter reads the 5 distinct layers of the reference formula
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -50,7 +57,9 @@ def write_training_store(path, tokenizer_dir, held_out_seq_id):
     tokenizer = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
     sequences = []
     for seq_id in ("train-0", "train-1", held_out_seq_id):
-        ids = np.asarray(tokenizer("Write a story. <|im_start|>assistant\ndef solution(x):\n    return x + 1\n")["input_ids"])
+        ids = np.asarray(
+            tokenizer("Write a story. <|im_start|>assistant\ndef solution(x):\n    return x + 1\n")["input_ids"]
+        )
         mask = np.arange(len(ids)) >= 6
         sequences.append({"seq_id": seq_id, "input_ids": ids, "loss_mask": mask, "features": torch.zeros(len(ids), 8)})
     write_store(path, sequences, layer_ids=[0], hidden_size=8, dtype="float32")
@@ -59,8 +68,14 @@ def write_training_store(path, tokenizer_dir, held_out_seq_id):
 
 def overrides(target_dir, out_dir, *extra):
     return [
-        f"model.target={target_dir}", "model.dtype=float32", "model.drafter.num_layers=1", "model.drafter.block_size=4",
-        "device=cpu", f"run_dir={out_dir}", "eval.limit=2", "eval.max_new_tokens=12", "eval.num_threads=1", *extra,
+        f"model.target={target_dir}",
+        "model.dtype=float32",
+        "device=cpu",
+        f"run_dir={out_dir}",
+        "eval.limit=2",
+        "eval.max_new_tokens=12",
+        "eval.num_threads=1",
+        *extra,
     ]
 
 
@@ -74,10 +89,10 @@ def test_quick_eval_writes_reports(target_dir, tmp_path, capsys):
 
     heldout = load_prompts("humaneval", split="heldout", limit=1)[0].seq_id
     write_training_store(tmp_path / "features", target_dir, heldout)  # the profile's training store: eval.datastore
-    report = run(compose_config(overrides(target_dir, tmp_path)))
+    report = run(compose_config(overrides(target_dir, tmp_path, "eval.block_size=4")))  # the untrained drafter's block
     out = tmp_path / "eval"
     saved = json.loads((out / "report.json").read_text())
-    assert saved["methods"].keys() == {"plain", "plain_as_loaded", "prompt_lookup", "dflash", "dflash_tree", "dflash_lookup", "dflash_datastore"}
+    assert saved["methods"].keys() == set(METHODS)  # every method of the table
     s = saved["settings"]
     assert s["untrained_drafter"] is True and "UNTRAINED" in saved["warning"]
     assert s["prompt_counts"] == {"humaneval": 2, "mtbench": 2} and s["split"] == "heldout"
@@ -94,20 +109,33 @@ def test_quick_eval_writes_reports(target_dir, tmp_path, capsys):
     assert sum(d["acceptance_histogram"].values()) == d["rounds"] > 0
     assert d["round_ms"].keys() == {"draft", "verify", "bookkeeping"} and all(v > 0 for v in d["round_ms"].values())
     t = saved["methods"]["dflash_tree"]
-    assert s["tree_size"] == 7 and s["tree_branching"] == 4 and sum(t["acceptance_histogram"].values()) == t["rounds"] > 0
+    assert (
+        s["tree_size"] == 7 and s["tree_branching"] == 4 and sum(t["acceptance_histogram"].values()) == t["rounds"] > 0
+    )
     assert 0 < t["verified_drafts"] <= 7  # a block of 4 offers up to 4 + 16 + 64 candidates: the tree takes 7
     h = saved["methods"]["dflash_lookup"]
     assert s["lookup_ngram"] == 3 and 0 <= h["lookup_rounds"] <= h["rounds"] == sum(h["acceptance_histogram"].values())
     assert len((out / "runs.jsonl").read_text().splitlines()) == 4
     md = (out / "report.md").read_text()
-    assert "UNTRAINED" in md and "| dflash |" in md and "| dflash_tree |" in md and "## dflash_tree rounds (tree of 7" in md and "prefill" in md
+    assert (
+        "UNTRAINED" in md
+        and "| dflash |" in md
+        and "| dflash_tree |" in md
+        and "## dflash_tree rounds (tree of 7" in md
+        and "prefill" in md
+    )
     assert "## dflash_lookup rounds (tree of 7 candidates, 4 a position; lookup rounds where the newest 3 tokens" in md
     ds = saved["methods"]["dflash_datastore"]
     assert s["datastore"]["store"] == str(tmp_path / "features") and s["datastore"]["excluded_eval_sequences"] == 1
     assert s["datastore"]["sequences"] == 2 and s["datastore"]["tokens"] > 0 and s["datastore"]["ngrams"] > 0
     assert s["datastore_ngram"] == 4 and s["datastore_min_ngram"] == 2 and s["datastore_min_count"] == 2
-    assert 0 <= ds["datastore_rounds"] <= ds["lookup_rounds"] <= ds["rounds"] == sum(ds["acceptance_histogram"].values())
-    assert "datastore rounds, the continuation of the newest 4 (down to 2) tokens seen at least 2 times in 2 training responses" in md
+    assert (
+        0 <= ds["datastore_rounds"] <= ds["lookup_rounds"] <= ds["rounds"] == sum(ds["acceptance_histogram"].values())
+    )
+    assert (
+        "datastore rounds, the continuation of the newest 4 (down to 2) tokens seen at least 2 times in 2 training responses"
+        in md
+    )
     printed = capsys.readouterr().out
     assert "| prompt_lookup |" in printed and "UNTRAINED" in printed and "1 eval prompts' sequences left out" in printed
     assert report["methods"]["dflash"]["decode_tokens"] == saved["methods"]["dflash"]["decode_tokens"]
@@ -116,23 +144,30 @@ def test_quick_eval_writes_reports(target_dir, tmp_path, capsys):
 def test_plain_as_loaded_decodes_a_copy_of_the_target_without_exact_verification(target_dir, tmp_path, monkeypatch):
     """On CPU the harness makes the target exact (padded GEMMs, row-wise attention); plain_as_loaded decodes a copy
     left as loaded, the plain decoding a user runs, and every method's speedup_vs_loaded is over it."""
-    import harness.evaluate
+    import harness.methods
+    from harness.policies import PLAIN
 
     plain_runs = []
 
-    def recording(target, input_ids, **kw):
-        if kw.get("block_size") == 1:
+    def recording(target, input_ids, policy, **kw):
+        if policy is PLAIN:
             plain_runs.append(target.config._attn_implementation)
-        return speculative_generate(target, input_ids, **kw)
+        return speculative_generate(target, input_ids, policy, **kw)
 
-    speculative_generate = harness.evaluate.speculative_generate
-    monkeypatch.setattr(harness.evaluate, "speculative_generate", recording)
-    report = run(compose_config(overrides(target_dir, tmp_path, "eval.methods=[plain,plain_as_loaded,dflash]", "eval.warmup=false")))
+    speculative_generate = harness.methods.speculative_generate
+    monkeypatch.setattr(harness.methods, "speculative_generate", recording)
+    report = run(
+        compose_config(
+            overrides(target_dir, tmp_path, "eval.methods=[plain,plain_as_loaded,dflash]", "eval.warmup=false")
+        )
+    )
     assert plain_runs == ["rowwise_exact", "sdpa"] * 4  # per prompt: plain on the exact target, then the copy as loaded
     m = report["methods"]
     assert m["plain_as_loaded"]["tau"] == 1.0 and m["plain_as_loaded"]["speedup_vs_loaded"] == 1.0
     for name in ("plain", "dflash"):
-        assert m[name]["speedup_vs_loaded"] == pytest.approx(m[name]["tokens_per_s"] / m["plain_as_loaded"]["tokens_per_s"])
+        assert m[name]["speedup_vs_loaded"] == pytest.approx(
+            m[name]["tokens_per_s"] / m["plain_as_loaded"]["tokens_per_s"]
+        )
         assert m[name]["by_source"]["mtbench"]["speedup_vs_loaded"] > 0
     assert report["settings"]["attention"] == "rowwise_exact" and m["dflash"]["lossless"] is True
     gemm_rows = report["settings"]["exact_gemm_rows"]  # every linear shape of the target, with the rows it pads to
@@ -146,9 +181,19 @@ def test_plain_as_loaded_decodes_a_copy_of_the_target_without_exact_verification
 def test_trained_drafter_is_loaded_and_sampling_runs(target_dir, tmp_path):
     drafter = tiny_drafter(tiny_target("llama", vocab=320), block_size=8, mask_token_id=310, layers=1)
     drafter.save_pretrained(tmp_path / "drafter")
-    cfg = compose_config(overrides(target_dir, tmp_path, f"eval.drafter={tmp_path / 'drafter'}", "eval.allow_untrained=false",
-                                   "eval.temperature=0.8", "eval.top_k=20", "eval.methods=[plain,dflash]", "eval.prompts=mtbench",
-                                   "eval.draft_cutoff=0.01"))
+    cfg = compose_config(
+        overrides(
+            target_dir,
+            tmp_path,
+            f"eval.drafter={tmp_path / 'drafter'}",
+            "eval.allow_untrained=false",
+            "eval.temperature=0.8",
+            "eval.top_k=20",
+            "eval.methods=[plain,dflash]",
+            "eval.prompts=mtbench",
+            "eval.draft_cutoff=0.01",
+        )
+    )
     report = run(cfg)
     s = report["settings"]
     assert s["untrained_drafter"] is False and s["drafter"] == str(tmp_path / "drafter") and s["block_size"] == 8
@@ -157,16 +202,9 @@ def test_trained_drafter_is_loaded_and_sampling_runs(target_dir, tmp_path):
     assert "warning" not in report
 
 
-def test_verify_by_cost_times_the_rows_and_stays_lossless(target_dir, tmp_path, capsys):
-    report = run(compose_config(overrides(target_dir, tmp_path, "eval.methods=[plain,dflash]", "eval.verify_by_cost=true")))
-    costs = report["settings"]["verify_ms"]
-    assert len(costs) == 4 and costs == sorted(costs) and costs[0] > 0  # 1..block rows, a line with slope >= 0
-    assert report["methods"]["dflash"]["lossless"] is True and "verify costs (ms, 1..4 rows)" in capsys.readouterr().out
-    trees = run(compose_config(overrides(target_dir, tmp_path / "trees", "eval.methods=[plain,dflash_tree]",
-                                         "eval.verify_by_cost=true", "eval.tree_size=6")))
-    assert len(trees["settings"]["verify_ms"]) == 7 and trees["methods"]["dflash_tree"]["lossless"] is True  # 1 + tree_size rows
-    with pytest.raises(ValueError, match="verify_by_cost and eval.draft_cutoff"):
-        run(compose_config(overrides(target_dir, tmp_path, "eval.methods=[dflash]", "eval.verify_by_cost=true", "eval.draft_cutoff=0.1")))
+def test_unknown_or_retired_eval_settings_are_refused_by_name(target_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"unknown eval settings \['verify_by_cost'\]"):
+        run(compose_config(overrides(target_dir, tmp_path, "eval.methods=[plain]", "+eval.verify_by_cost=true")))
 
 
 def test_interrupted_eval_resumes_without_rerunning_finished_prompts(target_dir, tmp_path, capsys):
@@ -193,13 +231,14 @@ def test_interrupted_eval_resumes_without_rerunning_finished_prompts(target_dir,
 
 
 def test_the_resume_key_holds_the_methods_and_the_drafter():
-    from harness.evaluate import DecodeSettings
+    from flashdraft.config import EvalConfig
+    from harness.methods import DecodeSettings
 
-    key = lambda methods, drafter, **kw: run_key(DecodeSettings(**kw), methods, drafter, None, {}, "float32", "cpu")  # noqa: E731
+    def key(methods, drafter, **kw):
+        return run_key(DecodeSettings.from_eval(EvalConfig(**kw), 4), methods, drafter, None, {}, "float32", "cpu")
+
     base = key(["plain", "dflash"], "a")
     assert base == key(["plain", "dflash"], "a")
-    by_cost = key(["plain", "dflash"], "a", verify_ms=(1.0, 2.0))
-    assert by_cost != base and by_cost == key(["plain", "dflash"], "a", verify_ms=(3.0, 5.0))  # costs: timed anew each run
     assert base != key(["plain", "dflash_tree"], "a") and base != key(["plain", "dflash"], "b")
     assert base != key(["plain", "dflash"], "a", draft_cutoff=0.1)
 
@@ -210,9 +249,11 @@ def test_missing_datastore_store_is_named(target_dir, tmp_path):
         run(cfg)
 
 
-def test_draft_vocabulary_is_counted_in_the_training_store_and_stays_lossless(target_dir, tmp_path, capsys, monkeypatch):
+def test_draft_vocabulary_is_counted_in_the_training_store_and_stays_lossless(
+    target_dir, tmp_path, capsys, monkeypatch
+):
     from flashdraft.prompts import load_prompts
-    from harness.speculative import DrafterProposer
+    from harness.drafter import DrafterProposer
 
     vocabularies, draft = [], DrafterProposer.__call__
 
@@ -223,18 +264,33 @@ def test_draft_vocabulary_is_counted_in_the_training_store_and_stays_lossless(ta
     monkeypatch.setattr(DrafterProposer, "__call__", recording)
     heldout = load_prompts("humaneval", split="heldout", limit=1)[0].seq_id
     write_training_store(tmp_path / "features", target_dir, heldout)
-    report = run(compose_config(overrides(target_dir, tmp_path, "eval.methods=[plain,dflash,dflash_tree]", "eval.draft_vocab=16")))
+    report = run(
+        compose_config(
+            overrides(target_dir, tmp_path, "eval.methods=[plain,dflash,dflash_tree]", "eval.draft_vocab=16")
+        )
+    )
     assert report["settings"]["draft_vocab"] == {"words": 16, "store": str(tmp_path / "features")}
     assert vocabularies and set(vocabularies) == {16}  # every draft scored the 16 words
     assert all(report["methods"][m]["lossless"] for m in ("dflash", "dflash_tree"))
-    without = run(compose_config(overrides(target_dir, tmp_path, "eval.methods=[plain,dflash]", "eval.draft_vocab=16",
-                                           f"eval.draft_vocab_store={tmp_path / 'none'}")))  # fmt: skip
+    without = run(
+        compose_config(
+            overrides(
+                target_dir,
+                tmp_path,
+                "eval.methods=[plain,dflash]",
+                "eval.draft_vocab=16",
+                f"eval.draft_vocab_store={tmp_path / 'none'}",
+            )
+        )
+    )
     assert without["settings"]["draft_vocab"] is None  # no store to count it in: all words, said on stderr
     assert "no feature store at" in capsys.readouterr().err
 
 
 def test_missing_drafter_is_an_error_unless_allowed(target_dir, tmp_path):
-    cfg = compose_config(overrides(target_dir, tmp_path, f"eval.drafter={tmp_path / 'none'}", "eval.allow_untrained=false"))
+    cfg = compose_config(
+        overrides(target_dir, tmp_path, f"eval.drafter={tmp_path / 'none'}", "eval.allow_untrained=false")
+    )
     with pytest.raises(FileNotFoundError, match="no drafter at"):
         run(cfg)
 
@@ -242,8 +298,10 @@ def test_missing_drafter_is_an_error_unless_allowed(target_dir, tmp_path):
 def test_full_config_composes():
     cfg = compose_config(["eval=full"])
     assert cfg.eval.name == "full" and cfg.eval.limit is None and cfg.eval.allow_untrained is False
-    assert list(cfg.eval.methods) == ["plain", "plain_as_loaded", "prompt_lookup", "dflash", "dflash_tree", "dflash_lookup", "dflash_datastore"]
-    assert cfg.eval.datastore.endswith("/features") and cfg.eval.datastore_ngram == 4 and cfg.eval.datastore_min_ngram == 2
+    assert list(cfg.eval.methods) == list(METHODS)  # eval=full runs every method of the table
+    assert (
+        cfg.eval.datastore.endswith("/features") and cfg.eval.datastore_ngram == 4 and cfg.eval.datastore_min_ngram == 2
+    )
     assert cfg.eval.draft_vocab == 8192 and cfg.eval.draft_vocab_store.endswith("/features")
     assert compose_config(["eval=paper"]).eval.draft_vocab == 0  # the reference drafts over every word
 
@@ -256,9 +314,87 @@ def test_tree_method_with_sampling_is_refused_by_name(target_dir, tmp_path):
 
 def test_python_dash_m_harness(target_dir, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "RAY_AUTH_MODE": "disabled"}
-    cmd = [sys.executable, "-m", "harness", *overrides(target_dir, tmp_path, "eval.limit=1", "eval.methods=[plain,dflash]")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "harness",
+        *overrides(target_dir, tmp_path, "eval.limit=1", "eval.methods=[plain,dflash]"),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| dflash |" in proc.stdout and "UNTRAINED" in proc.stderr
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     assert report["methods"]["dflash"]["lossless"] is True
+
+
+def test_the_method_table_builds_each_methods_policy():
+    """Each method name maps to its policy: the lookup methods fall back through the datastore to the tree, and
+    the refusals name the method."""
+    from flashdraft.config import EvalConfig
+    from harness.methods import DecodeSettings, build_policies
+    from harness.policies import PLAIN, ChainPolicy, DatastorePolicy, LookupPolicy, TreePolicy
+    from tests.test_speculative import OracleProposer
+
+    settings = DecodeSettings.from_eval(EvalConfig(draft_cutoff=0.1, tree_size=5), 4)
+    proposer, datastore = OracleProposer([], 3, 8), object()
+    policies = build_policies(EvalConfig().methods, settings, proposer, datastore)
+    assert policies["plain"] is PLAIN and policies["plain_as_loaded"] is PLAIN and policies["prompt_lookup"] is None
+    chain = policies["dflash"]
+    assert isinstance(chain, ChainPolicy) and chain.cutoff == 0.1 and chain.block_size == 4
+    tree = policies["dflash_tree"]
+    assert isinstance(tree, TreePolicy) and (tree.size, tree.branching, tree.block_size) == (5, 4, 4)
+    lookup = policies["dflash_lookup"]
+    assert isinstance(lookup, LookupPolicy) and lookup.ngram == 3 and isinstance(lookup.fallback, TreePolicy)
+    store = policies["dflash_datastore"].fallback
+    assert (
+        isinstance(store, DatastorePolicy) and store.datastore is datastore and isinstance(store.fallback, TreePolicy)
+    )
+    assert isinstance(
+        build_policies(["dflash_lookup"], DecodeSettings.from_eval(EvalConfig(lookup_ngram=0), 4), proposer)[
+            "dflash_lookup"
+        ],
+        TreePolicy,
+    )  # lookup_ngram 0: no lookup rounds
+    with pytest.raises(ValueError, match="unknown methods"):
+        build_policies(["dflash_chain"], settings, proposer)
+    with pytest.raises(ValueError, match="dflash needs a drafter"):
+        build_policies(["plain", "dflash"], settings)
+    with pytest.raises(ValueError, match="dflash_datastore needs a datastore"):
+        build_policies(["dflash_datastore"], settings, proposer)
+    with pytest.raises(ValueError, match="dflash_lookup is greedy only"):
+        build_policies(["dflash", "dflash_lookup"], DecodeSettings.from_eval(EvalConfig(temperature=0.5), 4), proposer)
+
+
+def test_untrained_drafter_geometry_comes_from_the_spec_and_a_trained_one_must_fit(target_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from flashdraft.spec import capture_layer_ids
+    from flashdraft.target import choose_mask_token
+    from harness.drafter import load_drafter
+
+    target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    drafter, untrained = load_drafter(None, target, tokenizer, allow_untrained=True)
+    assert untrained and drafter.block_size == 16 and len(drafter.layers) == 5  # DraftSpec's defaults
+    assert drafter.target_layer_ids == capture_layer_ids(target.config)
+    assert drafter.mask_token_id == choose_mask_token(tokenizer, target.config.vocab_size)
+    assert load_drafter(None, target, tokenizer, allow_untrained=True, block_size=4)[0].block_size == 4
+    tiny_drafter(tiny_target("llama", vocab=300), block_size=8, mask_token_id=290, layers=1).save_pretrained(
+        tmp_path / "d"
+    )
+    with pytest.raises(ValueError, match="does not fit the target: vocab_size 300 != target's 320"):
+        load_drafter(tmp_path / "d", target, tokenizer)
+
+
+def test_eval_config_defaults_are_the_quick_profile():
+    """EvalConfig states each default once; the quick profile's yaml sets the same values until the schema is wired."""
+    from dataclasses import asdict
+
+    from omegaconf import OmegaConf
+
+    from flashdraft.config import EvalConfig
+
+    quick = OmegaConf.to_container(compose_config([]).eval, resolve=False)
+    defaults = asdict(EvalConfig())
+    assert quick.keys() == defaults.keys()
+    assert {k: v for k, v in quick.items() if k != "seed"} == {k: v for k, v in defaults.items() if k != "seed"}

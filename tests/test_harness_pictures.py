@@ -9,12 +9,18 @@ from tests.test_pictures import PNG_MAGIC, fake_metrics
 from tests.test_speculative import one_thread, tiny_drafter, tiny_target  # noqa: F401 (one_thread: autouse fixture)
 
 
-def test_eval_writes_pictures_and_parity(target_dir, tmp_path, capsys):
-    tiny_drafter(tiny_target("llama", vocab=320), block_size=4, mask_token_id=310, layers=1).save_pretrained(tmp_path / "drafter")
+def test_eval_writes_pictures_and_parity(target_dir, tmp_path, capsys):  # noqa: F811 (target_dir: the fixture)
+    tiny_drafter(tiny_target("llama", vocab=320), block_size=4, mask_token_id=310, layers=1).save_pretrained(
+        tmp_path / "drafter"
+    )
     (tmp_path / "train").mkdir()
     fake_metrics(tmp_path / "train" / "metrics.jsonl")  # last eval/tau 1.6 at step 30
     write_training_store(tmp_path / "features", target_dir, "none")
-    cfg = compose_config(overrides(target_dir, tmp_path, f"eval.drafter={tmp_path / 'drafter'}", "eval.allow_untrained=false", "eval.limit=1"))
+    cfg = compose_config(
+        overrides(
+            target_dir, tmp_path, f"eval.drafter={tmp_path / 'drafter'}", "eval.allow_untrained=false", "eval.limit=1"
+        )
+    )
     assert cfg.eval.metrics == f"{tmp_path}/train/metrics.jsonl"
     report = run(cfg)
     out = tmp_path / "eval"
@@ -28,7 +34,9 @@ def test_eval_writes_pictures_and_parity(target_dir, tmp_path, capsys):
     assert "![Acceptance length per prompt set](acceptance.png)" in md and "](training.png)" in md and "step 30" in md
     assert "train/serve parity: offline tau 1.600" in capsys.readouterr().out
 
-    (tmp_path / "train" / "metrics.jsonl").unlink()  # no trainer log: no training picture (the old one is removed), no parity
+    (
+        tmp_path / "train" / "metrics.jsonl"
+    ).unlink()  # no trainer log: no training picture (the old one is removed), no parity
     report = run(cfg)
     assert report["pictures"] == {"acceptance": "acceptance.png"} and report["train_serve_parity"] is None
     assert not (out / "training.png").exists() and "training.png skipped" in capsys.readouterr().out

@@ -26,12 +26,17 @@ def fake_records():
     dflash = {"humaneval": [[1, 3, 4, 1], [2, 1]], "mtbench": [[1, 1, 2], [1]]}
     lookup = {"humaneval": [[1, 11, 2], [1]], "mtbench": [[1, 1], [1, 3]]}
     return [
-        {"source": source, "record_id": f"{source}/{i}", "methods": {
-            "plain": {"acceptance_lengths": [1] * 5},
-            "dflash": {"acceptance_lengths": d},
-            "prompt_lookup": {"acceptance_lengths": p},
-        }}
-        for source in dflash for i, (d, p) in enumerate(zip(dflash[source], lookup[source]))
+        {
+            "source": source,
+            "record_id": f"{source}/{i}",
+            "methods": {
+                "plain": {"acceptance_lengths": [1] * 5},
+                "dflash": {"acceptance_lengths": d},
+                "prompt_lookup": {"acceptance_lengths": p},
+            },
+        }
+        for source in dflash
+        for i, (d, p) in enumerate(zip(dflash[source], lookup[source]))
     ]
 
 
@@ -54,8 +59,8 @@ def test_metrics_reader_and_parity(tmp_path):
     far = train_serve_parity(read, 1.2)
     assert far["relative_gap"] == pytest.approx(-0.25) and far["explanation"] == PARITY_REASONS
     assert train_serve_parity(None, 1.2) is None and train_serve_parity(read, None) is None
-    for prefixes in (dict(draft_cutoff=0.1), dict(verify_by_cost=True)):  # served verified only prefixes: said so
-        assert train_serve_parity(read, 1.2, **prefixes)["explanation"] == PARITY_REASONS + " " + CUTOFF_REASON
+    cut = train_serve_parity(read, 1.2, draft_cutoff=0.1)  # served verified only prefixes: said so
+    assert cut["explanation"] == PARITY_REASONS + " " + CUTOFF_REASON
 
 
 def test_acceptance_picture(tmp_path):
@@ -80,21 +85,53 @@ def test_training_picture(tmp_path):
 
 
 def minimal_report(**extra):
-    summary = {"tau": 2.0, "tokens_per_s": 10.0, "speedup": 1.5, "lossless": True, "decode_tokens": 8, "decode_s": 0.8,
-               "rounds": 4, "acceptance_histogram": {"1": 2, "2": 0, "3": 2}, "round_ms": {"draft": 1.0, "verify": 2.0, "bookkeeping": 0.1}}
-    settings = {"untrained_drafter": False, "target": "t", "drafter": "d", "prompt_counts": {"humaneval": 1}, "split": "heldout",
-                "limit": 1, "max_new_tokens": 8, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "block_size": 3,
-                "prompt_lookup_num_tokens": 10, "device": "cpu", "dtype": "float32", "torch": "x", "transformers": "y",
-                "torch_threads": 1, "date": "today"}
+    summary = {
+        "tau": 2.0,
+        "tokens_per_s": 10.0,
+        "speedup": 1.5,
+        "lossless": True,
+        "decode_tokens": 8,
+        "decode_s": 0.8,
+        "rounds": 4,
+        "acceptance_histogram": {"1": 2, "2": 0, "3": 2},
+        "round_ms": {"draft": 1.0, "verify": 2.0, "bookkeeping": 0.1},
+    }
+    settings = {
+        "untrained_drafter": False,
+        "target": "t",
+        "drafter": "d",
+        "prompt_counts": {"humaneval": 1},
+        "split": "heldout",
+        "limit": 1,
+        "max_new_tokens": 8,
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "block_size": 3,
+        "prompt_lookup_num_tokens": 10,
+        "device": "cpu",
+        "dtype": "float32",
+        "torch": "x",
+        "transformers": "y",
+        "torch_threads": 1,
+        "date": "today",
+    }
     return {"settings": settings, "methods": {"dflash": {**summary, "by_source": {"humaneval": summary}}}, **extra}
 
 
 def test_report_links_pictures_and_shows_parity(tmp_path):
     rows = fake_metrics(tmp_path / "metrics.jsonl")
     parity = {**train_serve_parity(rows, 1.2), "metrics": "runs/x/train/metrics.jsonl"}
-    md = render_markdown(minimal_report(pictures={"acceptance": "acceptance.png", "training": "training.png"}, train_serve_parity=parity))
+    md = render_markdown(
+        minimal_report(pictures={"acceptance": "acceptance.png", "training": "training.png"}, train_serve_parity=parity)
+    )
     assert "](acceptance.png)" in md and "](training.png)" in md
-    assert "step 30" in md and "| 1.600 | - | 1.200 | -25.0% |" in md and PARITY_REASONS in md and "runs/x/train/metrics.jsonl" in md
+    assert (
+        "step 30" in md
+        and "| 1.600 | - | 1.200 | -25.0% |" in md
+        and PARITY_REASONS in md
+        and "runs/x/train/metrics.jsonl" in md
+    )
     replayed = {**train_serve_parity(rows, 1.2, replay={"tau": 1.25, "prompts": 1}), "metrics": "m"}
     md = render_markdown(minimal_report(pictures={}, train_serve_parity=replayed))
     assert "| 1.600 | 1.250 | 1.200 | -25.0% |" in md and "block starts account for -21.9%" in md and "for -4.0%" in md

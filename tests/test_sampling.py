@@ -8,11 +8,15 @@ import torch
 from scipy import stats
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-import harness.speculative as speculative
-from flashdraft.model import DFlashDrafter, make_draft_config
-from flashdraft.target import frozen_head_from_model
+import harness.acceptance as acceptance
+from flashdraft.model import DFlashDrafter
 from flashdraft.sampling import sample, sampling_probs
-from harness.sampling import greedy_accept, rejection_sample
+from flashdraft.spec import DraftSpec
+from flashdraft.target import frozen_head_from_model
+from harness.acceptance import Sampling, greedy_accept, rejection_sample
+from harness.drafter import DrafterProposer
+from harness.policies import ChainPolicy
+from harness.speculative import speculative_generate
 from tests.test_speculative import one_thread, tiny_target  # noqa: F401 (one_thread: autouse fixture)
 
 V = 8  # vocabulary of the distribution tests: 8^3 outcomes for three tokens
@@ -67,9 +71,9 @@ def models():
     with torch.no_grad():  # a peaked target, so the drafter's q differs clearly from p
         target.lm_head.weight.mul_(10.0)
     torch.manual_seed(1)
-    config = make_draft_config(target.config, mask_token_id=V - 1, num_draft_layers=1, block_size=4, target_layer_ids=[0, 1])
+    config = DraftSpec([0, 1], V - 1, block_size=4, num_draft_layers=1).draft_config(target.config)
     drafter = DFlashDrafter(config).eval()
-    return target, speculative.DrafterProposer(drafter, frozen_head_from_model(target))
+    return target, DrafterProposer(drafter, frozen_head_from_model(target))
 
 
 @torch.no_grad()
@@ -85,14 +89,17 @@ def exact_joint(target, temperature, top_p, top_k) -> np.ndarray:
     return joint / joint.sum()
 
 
-def empirical_joint(target, proposer, draws, temperature, top_p, top_k, draft_cutoff=0.0, verify_ms=None) -> np.ndarray:
+def empirical_joint(target, proposer, draws, temperature, top_p, top_k, draft_cutoff=0.0) -> np.ndarray:
     """Block 4 with max_new_tokens 3: one round verifies [t1, d2, d3]; a rejection needs a second round."""
     g = torch.Generator().manual_seed(1234)
     counts = np.zeros((V, V, V))
     for _ in range(draws):
-        out = speculative.speculative_generate(
-            target, PROMPT, max_new_tokens=3, proposer=proposer, temperature=temperature, top_p=top_p, top_k=top_k, generator=g,
-            draft_cutoff=draft_cutoff, verify_ms=verify_ms,
+        out = speculative_generate(
+            target,
+            PROMPT,
+            ChainPolicy(proposer, cutoff=draft_cutoff),
+            max_new_tokens=3,
+            sampling=Sampling(temperature, top_p, top_k, g),
         )
         counts[tuple(out.tokens)] += 1
     return counts
@@ -127,14 +134,6 @@ def test_sampling_with_a_draft_cutoff_keeps_the_target_distribution(models):
     assert chi_square_pvalue(counts, exact_joint(target, 1.0, 1.0, 0)) > 1e-3
 
 
-def test_sampling_with_the_prefix_chosen_by_verify_cost_keeps_the_target_distribution(models):
-    """Verifying the prefix the verify costs pick (with these costs 0, 1 or 2 drafts by the drafts' confidence, each
-    often) still samples the target."""
-    target, proposer = models
-    counts = empirical_joint(target, proposer, 2000, 1.0, 1.0, 0, verify_ms=[100.0, 150.0, 160.0])
-    assert chi_square_pvalue(counts, exact_joint(target, 1.0, 1.0, 0)) > 1e-3
-
-
 def _accept_every_draft(draft_tokens, target_probs, draft_probs, generator=None):
     k = draft_tokens.shape[0]
     return k, sample(target_probs[k], generator)
@@ -150,7 +149,7 @@ def _resample_from_p(draft_tokens, target_probs, draft_probs, generator=None):
 def test_wrong_acceptance_rule_is_rejected(models, monkeypatch, wrong_rule, draws):
     """Negative control: the chi-square test has the power to see a broken rejection sampler."""
     target, proposer = models
-    monkeypatch.setattr(speculative, "rejection_sample", wrong_rule)
+    monkeypatch.setattr(acceptance, "rejection_sample", wrong_rule)
     temperature, top_p, top_k = SETTINGS[0]
     counts = empirical_joint(target, proposer, draws, temperature, top_p, top_k)
     assert chi_square_pvalue(counts, exact_joint(target, temperature, top_p, top_k)) < 1e-6
@@ -159,6 +158,16 @@ def test_wrong_acceptance_rule_is_rejected(models, monkeypatch, wrong_rule, draw
 def test_sampling_with_a_draft_vocabulary_keeps_the_target_distribution(models):
     """Drafts restricted to half the words (the other words' logits -inf) still sample the target."""
     target, proposer = models
-    restricted = speculative.DrafterProposer(proposer.drafter, proposer.head, draft_vocab=[0, 2, 4, 6])
+    restricted = DrafterProposer(proposer.drafter, proposer.head, draft_vocab=[0, 2, 4, 6])
     counts = empirical_joint(target, restricted, 2000, 1.0, 1.0, 0)
     assert chi_square_pvalue(counts, exact_joint(target, 1.0, 1.0, 0)) > 1e-3
+
+
+def test_sampling_settings_are_checked_and_choose_as_the_distribution_says():
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(Sampling().choose(logits), logits.argmax(dim=-1)) and Sampling().greedy
+    chosen = Sampling(0.7, 0.9, 5, torch.Generator().manual_seed(3)).choose(logits)
+    assert torch.equal(chosen, sample(sampling_probs(logits, 0.7, 0.9, 5), torch.Generator().manual_seed(3)))
+    for bad in (dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-1)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            Sampling(**bad)

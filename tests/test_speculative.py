@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from flashdraft.model import DFlashDrafter, make_draft_config
+from flashdraft.model import DFlashDrafter
+from flashdraft.spec import DraftSpec, default_layer_ids
 from flashdraft.target import (
     EXACT_ATTENTION,
     EXACT_ATTENTION_FP32,
@@ -18,10 +19,12 @@ from flashdraft.target import (
     make_verification_exact,
     needs_exact_verification,
 )
-from harness.lookup import lookup_draft
-from harness.prompt_lookup import prompt_lookup_generate
-from harness.speculative import DrafterProposer, cost_aware_count, cost_aware_prefix, measure_verify_ms, speculative_generate
-from harness.tree import build_tree, first_nodes, follow, greedy_path, tree_mask
+from harness.acceptance import Sampling
+from harness.baselines import prompt_lookup_generate
+from harness.drafter import DrafterProposer
+from harness.policies import ChainPolicy, LookupPolicy, TreePolicy, lookup_draft
+from harness.speculative import speculative_generate
+from harness.tree import build_tree, follow, greedy_path, tree_mask
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")  # the reference's own calls
 
@@ -33,8 +36,13 @@ MASK = VOCAB - 1
 def tiny_target(arch: str, vocab: int = VOCAB, layers: int = 6, hidden: int = 64, seed: int = 0):
     torch.manual_seed(seed)
     kw = dict(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
     )
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**kw))
@@ -43,9 +51,14 @@ def tiny_target(arch: str, vocab: int = VOCAB, layers: int = 6, hidden: int = 64
     return model.eval().requires_grad_(False)
 
 
-def tiny_drafter(target, block_size: int = 16, mask_token_id: int = MASK, layers: int = 2, seed: int = 1) -> DFlashDrafter:
+def tiny_drafter(
+    target, block_size: int = 16, mask_token_id: int = MASK, layers: int = 2, seed: int = 1
+) -> DFlashDrafter:
     torch.manual_seed(seed)
-    config = make_draft_config(target.config, mask_token_id=mask_token_id, num_draft_layers=layers, block_size=block_size)
+    layer_ids = sorted(
+        set(default_layer_ids(target.config.num_hidden_layers))
+    )  # a 6-layer target repeats ids: once each
+    config = DraftSpec(layer_ids, mask_token_id, block_size, layers).draft_config(target.config)
     return DFlashDrafter(config).eval().requires_grad_(False)
 
 
@@ -62,7 +75,10 @@ def make_agreeing(target, drafter, favourite: int, mask_token_id: int = MASK) ->
 
 def random_prompts(count: int, seed: int = 0, vocab: int = VOCAB) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab - 2, (1, int(torch.randint(3, 20, (1,), generator=g))), generator=g) for _ in range(count)]
+    return [
+        torch.randint(0, vocab - 2, (1, int(torch.randint(3, 20, (1,), generator=g))), generator=g)
+        for _ in range(count)
+    ]
 
 
 def favourite_token(target, prompts, max_new_tokens: int = 32) -> int:
@@ -77,7 +93,13 @@ class OracleProposer:
     mask_token_id = MASK
 
     def __init__(self, plain: list[int], num_prompt_tokens: int, block_size: int, wrong=(), vocab: int = VOCAB):
-        self.plain, self.n, self.block_size, self.wrong, self.vocab = plain, num_prompt_tokens, block_size, set(wrong), vocab
+        self.plain, self.n, self.block_size, self.wrong, self.vocab = (
+            plain,
+            num_prompt_tokens,
+            block_size,
+            set(wrong),
+            vocab,
+        )
         self.blocks = []
 
     def start(self):
@@ -93,6 +115,11 @@ class OracleProposer:
             token = self.plain[i] if i < len(self.plain) else 0
             logits[k - 1, (token + 1) % self.vocab if i in self.wrong else token] = 1.0
         return logits
+
+
+def drafting(proposer, tree_size: int = 0):
+    """The drafter's policy: a tree of `tree_size` candidates, or (0) one chain."""
+    return TreePolicy(proposer, tree_size) if tree_size else ChainPolicy(proposer)
 
 
 def expected_rounds(num_tokens: int, block_size: int, wrong=()) -> list[int]:
@@ -143,7 +170,7 @@ def test_greedy_lossless_with_drafter(setup, block_size):
     proposer = DrafterProposer(drafter, frozen_head_from_model(target))
     accepted = []
     for p, expected in zip(prompts, plain):
-        spec = speculative_generate(target, p, max_new_tokens=32, proposer=proposer, block_size=block_size)
+        spec = speculative_generate(target, p, ChainPolicy(proposer, block_size), max_new_tokens=32)
         assert spec.tokens == expected
         assert sum(spec.acceptance_lengths) == len(spec.tokens) - 1
         assert max(spec.acceptance_lengths) <= block_size
@@ -160,8 +187,8 @@ def test_greedy_lossless_with_drafter(setup, block_size):
 def test_draft_cutoff_verifies_a_confident_prefix_and_stays_lossless(setup, cutoff):
     target, drafter, prompts, plain = setup
     proposer = DrafterProposer(drafter, frozen_head_from_model(target))
-    full = [speculative_generate(target, p, max_new_tokens=32, proposer=proposer) for p in prompts]
-    cut = [speculative_generate(target, p, max_new_tokens=32, proposer=proposer, draft_cutoff=cutoff) for p in prompts]
+    full = [speculative_generate(target, p, ChainPolicy(proposer), max_new_tokens=32) for p in prompts]
+    cut = [speculative_generate(target, p, ChainPolicy(proposer, cutoff=cutoff), max_new_tokens=32) for p in prompts]
     assert [g.tokens for g in cut] == plain
     verified = [v for g in cut for v in g.verified_drafts]
     assert all(a <= v + 1 for g in cut for a, v in zip(g.acceptance_lengths, g.verified_drafts))
@@ -172,39 +199,7 @@ def test_draft_cutoff_verifies_a_confident_prefix_and_stays_lossless(setup, cuto
     else:  # no draft verified: every round is a plain step
         assert set(verified) == {0}
     with pytest.raises(ValueError, match="draft_cutoff"):
-        speculative_generate(target, prompts[0], max_new_tokens=4, proposer=proposer, draft_cutoff=1.5)
-
-
-def test_cost_aware_prefix_weighs_draft_confidence_against_verify_cost():
-    """Expected committed tokens per ms: confident drafts are verified where an extra row is cheap, none where
-    every row costs as much as a plain step, and a prefix up to where confidence falls off in between."""
-    sure, unsure = torch.full((3, 10), -20.0), torch.zeros(3, 10)
-    sure[:, 0] = 20.0  # top probability ~1 at each position
-    flat, steep, half = [10.0] * 4, [10.0, 25.0, 40.0, 55.0], [10.0, 11.0, 12.0, 13.0]
-    assert cost_aware_prefix(sure, flat) == 3 and cost_aware_prefix(unsure, flat) == 3  # a free row never hurts
-    assert cost_aware_prefix(sure, steep) == 0  # (1 + k) / (10 + 15k): a sure token is not worth 1.5 plain steps
-    assert cost_aware_prefix(sure, steep, draft_ms=40.0) == 3  # ... once the draft is paid for, it is
-    assert cost_aware_prefix(unsure, half) == 0  # confidence 0.1: a row worth 0.1 tokens costs 10% more
-    mixed = torch.cat([sure[:2], unsure[:1]])
-    assert cost_aware_prefix(mixed, half) == 2
-    assert cost_aware_prefix(mixed, half[:2]) == 1  # never past the costs measured
-
-
-def test_verify_by_cost_stays_lossless_and_verifies_less_where_rows_cost_more(setup):
-    target, drafter, prompts, plain = setup
-    proposer = DrafterProposer(drafter, frozen_head_from_model(target))
-    costs = measure_verify_ms(target, drafter.block_size, context=64, repeats=1)
-    assert len(costs) == drafter.block_size and all(c > 0 for c in costs)
-    steep = [1.0 + 10.0 * k for k in range(drafter.block_size)]
-    verified = []
-    for verify_ms in (steep, [1.0] * drafter.block_size):
-        gens = [speculative_generate(target, p, max_new_tokens=32, proposer=proposer, verify_ms=verify_ms) for p in prompts]
-        assert [g.tokens for g in gens] == plain
-        verified.append([v for g in gens for v in g.verified_drafts])
-    assert set(verified[0]) == {0}  # every row costs 10 plain steps' worth of drafting: plain steps only
-    assert max(verified[1]) > 2 and max(a for g in gens for a in g.acceptance_lengths) > 1  # free rows: drafts verified, accepted
-    with pytest.raises(ValueError, match="set one of them"):
-        speculative_generate(target, prompts[0], max_new_tokens=4, proposer=proposer, verify_ms=costs, draft_cutoff=0.1)
+        ChainPolicy(proposer, cutoff=1.5)
 
 
 @pytest.mark.parametrize("block_size", [2, 5, 8, 16])
@@ -213,7 +208,7 @@ def test_commit_logic_with_oracle_drafts(block_size):
     for p, wrong in zip(random_prompts(4, seed=5), [(), (1, 2, 9), (4, 5, 6, 20), tuple(range(1, 40, 3))]):
         plain = speculative_generate(target, p, max_new_tokens=40).tokens
         oracle = OracleProposer(plain, p.shape[1], block_size, wrong)
-        spec = speculative_generate(target, p, max_new_tokens=40, proposer=oracle)
+        spec = speculative_generate(target, p, ChainPolicy(oracle), max_new_tokens=40)
         assert spec.tokens == plain
         assert spec.acceptance_lengths == expected_rounds(40, block_size, wrong)
         # each block starts at the newest committed token and the last one shrinks to end at max_new_tokens
@@ -239,7 +234,11 @@ def test_tree_keeps_the_most_probable_paths_parents_first():
         assert tree.parents[j - 1] < j and tree.depths[j - 1] == len(path)
     assert paths == [(0,), (0, 0), (0, 0, 0), (1,), (0, 1), (0, 1, 0)]  # 0.6, 0.33, 0.297, 0.25, 0.18, 0.162
     score = lambda path: float(torch.prod(torch.stack([probs[d, t] for d, t in enumerate(path)])))  # noqa: E731
-    every = [(a,) for a in range(3)] + [(a, b) for a in range(3) for b in range(3)] + [(a, b, c) for a in range(3) for b in range(3) for c in range(3)]
+    every = (
+        [(a,) for a in range(3)]
+        + [(a, b) for a in range(3) for b in range(3)]
+        + [(a, b, c) for a in range(3) for b in range(3) for c in range(3)]
+    )
     assert sorted(map(score, paths)) == sorted(map(score, every))[-6:]  # the 6 most probable candidate paths
     mask = tree_mask(tree, context=3)[0, 0].int().tolist()
     assert mask[0] == [1, 1, 1, 1, 0, 0, 0, 0, 0, 0]  # the root sees the context and itself
@@ -255,12 +254,6 @@ def test_tree_keeps_the_most_probable_paths_parents_first():
     assert path == [4] and int(token) == 2
     assert build_tree(probs.log(), size=50, branching=1).depths == (1, 2, 3)  # a chain when one token a position
     assert tree.path_probs == pytest.approx([0.6, 0.33, 0.297, 0.25, 0.18, 0.162], rel=1e-6)
-    first = first_nodes(tree, 3)
-    assert first.parents == (0, 1, 2) and first.tokens.tolist() == [0, 0, 0] and first.path_probs == tree.path_probs[:3]
-    # (1 + sum p) / cost: 2 nodes 1.93 / 12, 3 nodes 2.227 / 13, 4 nodes 2.477 / 14, 5 nodes 2.657 / 15 (0.177 a ms)
-    assert cost_aware_count(tree.path_probs, [10.0 + k for k in range(7)]) == 5
-    assert cost_aware_count(tree.path_probs, [10.0 + 4 * k for k in range(7)]) == 1  # 1.6 / 14 beats 1.93 / 18
-    assert cost_aware_count(tree.path_probs, [10.0] * 3) == 2  # never past the costs measured
 
 
 class RunnerUpOracle(OracleProposer):
@@ -281,28 +274,12 @@ def test_greedy_tree_verification_is_lossless(setup, tree_size, branching):
     proposer = DrafterProposer(drafter, frozen_head_from_model(target))
     accepted = []
     for p, expected in zip(prompts, plain):
-        spec = speculative_generate(target, p, max_new_tokens=32, proposer=proposer, tree_size=tree_size, tree_branching=branching)
+        spec = speculative_generate(target, p, TreePolicy(proposer, tree_size, branching), max_new_tokens=32)
         assert spec.tokens == expected
         assert all(v == tree_size for v in spec.verified_drafts[:-1]) or tree_size == 40
         assert proposer.cache.length == p.shape[1] + sum(spec.acceptance_lengths[:-1])
         accepted += spec.acceptance_lengths
     assert max(accepted) > 2 if tree_size > 1 else max(accepted) <= 2
-
-
-def test_trees_by_cost_verify_their_first_nodes_and_stay_lossless(setup):
-    """tree_size with verify_ms verifies the tree's first nodes `cost_aware_count` picks: none where every row costs
-    10 plain steps, the whole tree where rows are free, and in between on measured costs; every output as plain."""
-    target, drafter, prompts, plain = setup
-    proposer = DrafterProposer(drafter, frozen_head_from_model(target))
-    costs = measure_verify_ms(target, 16, context=64, repeats=1)
-    verified = []
-    for verify_ms in ([1.0 + 10.0 * k for k in range(16)], [1.0] * 16, costs):
-        gens = [speculative_generate(target, p, max_new_tokens=32, proposer=proposer, tree_size=15, verify_ms=verify_ms)
-                for p in prompts]
-        assert [g.tokens for g in gens] == plain
-        verified.append({v for g in gens for v in g.verified_drafts[:-1]})
-    assert verified[0] == {0} and verified[1] == {15}
-    assert verified[2] <= set(range(16))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -312,13 +289,23 @@ def test_tree_accepts_runner_up_drafts_and_keeps_their_cache(arch):
     target = tiny_target(arch, seed=3)
     for p, wrong in zip(random_prompts(3, seed=5), [(2, 9), (4, 5, 20), tuple(range(1, 40, 3))]):
         plain = speculative_generate(target, p, max_new_tokens=40).tokens
-        chain = speculative_generate(target, p, max_new_tokens=40, proposer=RunnerUpOracle(plain, p.shape[1], 8, wrong))
-        tree = speculative_generate(target, p, max_new_tokens=40, proposer=RunnerUpOracle(plain, p.shape[1], 8, wrong), tree_size=15, tree_branching=2)
+        chain = speculative_generate(
+            target, p, ChainPolicy(RunnerUpOracle(plain, p.shape[1], 8, wrong)), max_new_tokens=40
+        )
+        tree = speculative_generate(
+            target, p, TreePolicy(RunnerUpOracle(plain, p.shape[1], 8, wrong), 15, 2), max_new_tokens=40
+        )
         assert chain.tokens == tree.tokens == plain
         assert chain.acceptance_lengths == expected_rounds(40, 8, wrong)
         assert len(tree.acceptance_lengths) < len(chain.acceptance_lengths)
         eos = plain[min(wrong) + 1]  # a stop token inside a runner-up path
-        stopped = speculative_generate(target, p, max_new_tokens=40, proposer=RunnerUpOracle(plain, p.shape[1], 8, wrong), tree_size=15, tree_branching=2, stop_token_ids=[eos])
+        stopped = speculative_generate(
+            target,
+            p,
+            TreePolicy(RunnerUpOracle(plain, p.shape[1], 8, wrong), 15, 2),
+            max_new_tokens=40,
+            stop_token_ids=[eos],
+        )
         assert stopped.tokens == plain[: plain.index(eos) + 1] and stopped.stopped
 
 
@@ -326,11 +313,9 @@ def test_tree_arguments_are_checked(setup):
     target, drafter, prompts, _ = setup
     proposer = DrafterProposer(drafter, frozen_head_from_model(target))
     with pytest.raises(ValueError, match="greedy only"):
-        speculative_generate(target, prompts[0], max_new_tokens=4, proposer=proposer, tree_size=8, temperature=0.7)
-    with pytest.raises(ValueError, match="set one of them"):
-        speculative_generate(target, prompts[0], max_new_tokens=4, proposer=proposer, tree_size=8, draft_cutoff=0.1)
+        speculative_generate(target, prompts[0], TreePolicy(proposer, 8), max_new_tokens=4, sampling=Sampling(0.7))
     with pytest.raises(ValueError, match="tree_size"):
-        speculative_generate(target, prompts[0], max_new_tokens=4, proposer=proposer, tree_size=-1)
+        TreePolicy(proposer, -1)
 
 
 def test_draft_vocabulary_scores_its_words_only_and_stays_lossless(setup):
@@ -353,7 +338,12 @@ def test_draft_vocabulary_scores_its_words_only_and_stays_lossless(setup):
     accepted = []
     for tree_size in (0, 7):
         for p, expected_tokens in zip(prompts, plain):
-            spec = speculative_generate(target, p, max_new_tokens=32, proposer=restricted, tree_size=tree_size)
+            spec = speculative_generate(
+                target,
+                p,
+                TreePolicy(restricted, tree_size) if tree_size else ChainPolicy(restricted),
+                max_new_tokens=32,
+            )
             assert spec.tokens == expected_tokens
             accepted += spec.acceptance_lengths
     assert max(accepted) > 2  # its drafts still get accepted
@@ -385,7 +375,7 @@ def test_lookup_rounds_are_lossless_and_keep_the_drafter_context(setup, tree_siz
     proposer = DrafterProposer(drafter, frozen_head_from_model(target))
     lookups = drafted = 0
     for p, expected in zip(prompts, plain):
-        spec = speculative_generate(target, p, max_new_tokens=32, proposer=proposer, tree_size=tree_size, lookup_ngram=2, lookup_tokens=10)
+        spec = speculative_generate(target, p, LookupPolicy(2, 10, drafting(proposer, tree_size)), max_new_tokens=32)
         assert spec.tokens == expected
         lookups += spec.lookup_rounds
         drafted += len(spec.acceptance_lengths) - spec.lookup_rounds
@@ -399,23 +389,43 @@ def test_lookup_rounds_commit_long_copies_and_skip_the_drafter():
     p = torch.tensor([[5, 6, 7, 8, 9] * 3])
     plain = speculative_generate(target, p, max_new_tokens=40).tokens
     oracle = OracleProposer(plain, p.shape[1], 8, wrong=range(60))
-    spec = speculative_generate(target, p, max_new_tokens=40, proposer=oracle, lookup_ngram=3, lookup_tokens=10)
+    spec = speculative_generate(target, p, LookupPolicy(3, 10, ChainPolicy(oracle)), max_new_tokens=40)
     assert spec.tokens == plain
     assert len(oracle.blocks) == len(spec.acceptance_lengths) - spec.lookup_rounds and spec.lookup_rounds > 0
     assert max(spec.acceptance_lengths) > 2 and spec.tau > 2
-    alone = speculative_generate(target, p, max_new_tokens=40, lookup_ngram=2, lookup_tokens=10)
+    alone = speculative_generate(target, p, LookupPolicy(2, 10), max_new_tokens=40)
     assert alone.tokens == plain and alone.tau > 2 and max(alone.verified_drafts) <= 10
     with pytest.raises(ValueError, match="greedy only"):
-        speculative_generate(target, p, max_new_tokens=4, lookup_ngram=3, temperature=0.7)
+        speculative_generate(target, p, LookupPolicy(3), max_new_tokens=4, sampling=Sampling(0.7))
     with pytest.raises(ValueError, match="lookup_ngram"):
-        speculative_generate(target, p, max_new_tokens=4, lookup_ngram=-1)
+        LookupPolicy(-1)
+
+
+def test_rounds_name_the_policy_that_drafted_them():
+    """Each round records its draft's source; a lookup round without a match falls back (here to plain steps), the
+    last chain shrinks to the budget, and a chain of block size 1 drafts nothing: plain steps."""
+    target = tiny_target("llama", seed=5)
+    p = torch.tensor([[5, 6, 7, 8, 9] * 3])
+    plain = speculative_generate(target, p, max_new_tokens=40)
+    assert set(plain.sources) == {"plain"} and plain.lookup_rounds == plain.datastore_rounds == 0
+    alone = speculative_generate(target, p, LookupPolicy(2, 10), max_new_tokens=40)
+    assert set(alone.sources) <= {"lookup", "plain"} and alone.lookup_rounds == alone.sources.count("lookup") > 0
+    assert all(v == 0 for v, s in zip(alone.verified_drafts, alone.sources) if s == "plain")
+    oracle = OracleProposer(plain.tokens, p.shape[1], 4)
+    chain = speculative_generate(
+        target, p, ChainPolicy(oracle), max_new_tokens=6
+    )  # a block of 4, then 2 positions left
+    assert chain.sources == ["chain", "chain"] and chain.verified_drafts == [3, 1] and chain.tokens == plain.tokens[:6]
+    single = speculative_generate(target, p, ChainPolicy(oracle, block_size=1), max_new_tokens=6)
+    assert set(single.sources) == {"plain"} and single.tokens == plain.tokens[:6]
+    assert len(oracle.blocks) == 2  # the chain run's two blocks: at block size 1 the drafter never ran
 
 
 def test_tau_reaches_block_size_with_perfect_drafts():
     target = tiny_target("llama", seed=4)
     p = random_prompts(1, seed=9)[0]
     plain = speculative_generate(target, p, max_new_tokens=49).tokens
-    spec = speculative_generate(target, p, max_new_tokens=49, proposer=OracleProposer(plain, p.shape[1], 16))
+    spec = speculative_generate(target, p, ChainPolicy(OracleProposer(plain, p.shape[1], 16)), max_new_tokens=49)
     assert spec.tokens == plain and spec.acceptance_lengths == [16, 16, 16]
     assert len(spec.draft_s) == len(spec.verify_s) == len(spec.bookkeeping_s) == 3
     assert spec.decode_s >= sum(spec.draft_s) + sum(spec.verify_s) + sum(spec.bookkeeping_s) > 0
@@ -427,7 +437,9 @@ def test_max_new_tokens_inside_a_block(max_new_tokens):
     target = tiny_target("llama", seed=2)
     p = random_prompts(1, seed=7)[0]
     plain = speculative_generate(target, p, max_new_tokens=40).tokens
-    spec = speculative_generate(target, p, max_new_tokens=max_new_tokens, proposer=OracleProposer(plain, p.shape[1], 8))
+    spec = speculative_generate(
+        target, p, ChainPolicy(OracleProposer(plain, p.shape[1], 8)), max_new_tokens=max_new_tokens
+    )
     assert spec.tokens == plain[:max_new_tokens]
     assert spec.acceptance_lengths == expected_rounds(max_new_tokens, 8)
 
@@ -443,10 +455,14 @@ def test_eos_inside_a_block_ends_generation_after_it(arch):
         assert stopped_plain.tokens == plain[:cut] and stopped_plain.stopped
         for wrong in [(), (cut - 1,), (cut,)]:  # EOS accepted as a draft, EOS as the bonus, EOS then garbage
             oracle = OracleProposer(plain, p.shape[1], 16, wrong)
-            spec = speculative_generate(target, p, max_new_tokens=40, proposer=oracle, stop_token_ids=[eos, VOCAB + 5])
+            spec = speculative_generate(
+                target, p, ChainPolicy(oracle), max_new_tokens=40, stop_token_ids=[eos, VOCAB + 5]
+            )
             assert spec.tokens == plain[:cut] and spec.stopped
             assert sum(spec.acceptance_lengths) == cut - 1
-    first = speculative_generate(target, p, max_new_tokens=40, stop_token_ids=[plain[0]], proposer=OracleProposer(plain, p.shape[1], 8))
+    first = speculative_generate(
+        target, p, ChainPolicy(OracleProposer(plain, p.shape[1], 8)), max_new_tokens=40, stop_token_ids=[plain[0]]
+    )
     assert first.tokens == plain[:1] and first.acceptance_lengths == [] and first.stopped
 
 
@@ -456,7 +472,7 @@ def test_drafter_eos_matches_plain(setup):
     for p, plain in zip(prompts[:8], plain_outputs):
         eos = [plain[len(plain) // 3], plain[-1]]
         a = speculative_generate(target, p, max_new_tokens=32, stop_token_ids=eos)
-        b = speculative_generate(target, p, max_new_tokens=32, stop_token_ids=eos, proposer=proposer)
+        b = speculative_generate(target, p, ChainPolicy(proposer), max_new_tokens=32, stop_token_ids=eos)
         assert a.tokens == b.tokens and a.tokens[-1] in eos
 
 
@@ -476,12 +492,14 @@ def test_prompt_lookup_baseline_matches_plain():
 
 def test_bad_arguments_are_named():
     target = tiny_target("llama")
-    with pytest.raises(ValueError, match="needs a proposer"):
-        speculative_generate(target, [1, 2, 3], max_new_tokens=4, block_size=4)
+    with pytest.raises(ValueError, match="block_size"):
+        ChainPolicy(OracleProposer([], 3, 4), block_size=-1)
     with pytest.raises(ValueError, match="max_new_tokens"):
         speculative_generate(target, [1, 2, 3], max_new_tokens=0)
     with pytest.raises(ValueError, match="top_p"):
-        speculative_generate(target, [1, 2, 3], max_new_tokens=4, temperature=1.0, top_p=0.0)
+        speculative_generate(target, [1, 2, 3], max_new_tokens=4, sampling=Sampling(1.0, top_p=0.0))
+    with pytest.raises(ValueError, match="empty prompt"):
+        speculative_generate(target, [], max_new_tokens=4)
 
 
 # --- fidelity to the reference implementation --------------------------------------------------
@@ -504,7 +522,9 @@ def test_matches_reference_dflash_generate(setup, reference, tmp_path, block_siz
     for i, (p, plain) in enumerate(zip(prompts[:10], plain_outputs)):
         stop = [plain[20]] if i % 2 else None  # half of them stop on a token the target emits
         ref = reference.dflash_generate(ref_drafter, target, p, 40, stop, block_size=block_size, return_stats=True)
-        ours = speculative_generate(target, p, max_new_tokens=40, proposer=proposer, stop_token_ids=stop or (), block_size=block_size)
+        ours = speculative_generate(
+            target, p, ChainPolicy(proposer, block_size), max_new_tokens=40, stop_token_ids=stop or ()
+        )
         assert ours.tokens == ref.output_ids[0, p.shape[1] :].tolist()
         assert ours.acceptance_lengths == ref.acceptance_lengths
         histogram.update(ours.acceptance_lengths)
@@ -521,9 +541,13 @@ def test_sampling_matches_reference_with_the_same_seed(setup, reference, tmp_pat
     proposer = DrafterProposer(drafter, frozen_head_from_model(target))
     for seed, p in enumerate(prompts[:6]):
         torch.manual_seed(seed)
-        ref = reference.dflash_generate(ref_drafter, target, p, 32, None, 0.8, top_p, top_k, block_size=8, return_stats=True)
+        ref = reference.dflash_generate(
+            ref_drafter, target, p, 32, None, 0.8, top_p, top_k, block_size=8, return_stats=True
+        )
         torch.manual_seed(seed)
-        ours = speculative_generate(target, p, max_new_tokens=32, proposer=proposer, temperature=0.8, top_p=top_p, top_k=top_k, block_size=8)
+        ours = speculative_generate(
+            target, p, ChainPolicy(proposer, 8), max_new_tokens=32, sampling=Sampling(0.8, top_p, top_k)
+        )
         assert ours.tokens == ref.output_ids[0, p.shape[1] :].tolist()
         assert ours.acceptance_lengths == ref.acceptance_lengths
 
@@ -532,13 +556,16 @@ def test_sampling_matches_reference_with_the_same_seed(setup, reference, tmp_pat
 def test_exact_base_rows_is_the_fewest_rows_whose_kernel_every_longer_tile_shares(kernel_from):
     """A GEMM whose rows come out with other bits below `kernel_from` rows (as a 1-row bf16 GEMM does on Intel AMX):
     short tiles must be padded to exactly that many rows; where one kernel serves every count, to none."""
+
     def linear(x, w, b=None):  # one row at a time (the same bits whatever the companions), shifted below the threshold
         out = torch.stack([torch.nn.functional.linear(r[None], w, b)[0] for r in x])
         return out + 1e-3 if x.shape[0] < kernel_from else out
 
     assert exact_base_rows(torch.empty(24, 40), bias=True, tile=16, linear=linear) == kernel_from
     # tiles of up to 8 rows never reach a kernel from 16 rows on: one kernel serves them all
-    assert exact_base_rows(torch.empty(24, 40), bias=False, tile=8, linear=linear) == (kernel_from if kernel_from <= 8 else 1)
+    assert exact_base_rows(torch.empty(24, 40), bias=False, tile=8, linear=linear) == (
+        kernel_from if kernel_from <= 8 else 1
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -546,7 +573,10 @@ def test_probed_padding_gives_the_logits_of_16_row_tiles(dtype):
     """Padding a tile only to the rows its probe asks for changes no bit: a one-token step and a verify forward
     of every length up to a tile give the logits of the target whose every tile is padded to 16 rows."""
     probed = make_verification_exact(tiny_target("qwen3").to(dtype))
-    fixed = make_verification_exact(tiny_target("qwen3").to(dtype), min_rows=16)
+    fixed = make_verification_exact(tiny_target("qwen3").to(dtype))
+    for m in fixed.modules():  # every short tile padded to the full 16 rows
+        if hasattr(m, "_exact_base"):
+            m._exact_base = m._exact_base[0], 16
     assert {m._exact_base[1] for m in fixed.modules() if hasattr(m, "_exact_base")} == {16}
     ids = torch.randint(0, VOCAB - 2, (1, 120), generator=torch.Generator().manual_seed(6))
     for rows in (1, 2, 3, 5, 8, 13, 16):
@@ -557,7 +587,9 @@ def test_probed_padding_gives_the_logits_of_16_row_tiles(dtype):
         assert torch.equal(*logits), rows
 
 
-@pytest.mark.parametrize("dtype,fp32_attention", [(torch.float32, None), (torch.bfloat16, False), (torch.bfloat16, True)])
+@pytest.mark.parametrize(
+    "dtype,fp32_attention", [(torch.float32, None), (torch.bfloat16, False), (torch.bfloat16, True)]
+)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_cpu_is_lossless_with_exact_verification(arch, dtype, fp32_attention):
     """CPU, fp32 and bf16 (with bf16 or fp32 attention): made exact as the harness makes it (row-padded GEMMs,
@@ -571,22 +603,31 @@ def test_cpu_is_lossless_with_exact_verification(arch, dtype, fp32_attention):
         out = target(ids[:, :start], use_cache=True)
         block = target(ids[:, start : start + 16], past_key_values=out.past_key_values, use_cache=True).logits[0]
         out.past_key_values.crop(-16)
-        steps = [target(ids[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True).logits[0, -1]
-                 for t in range(start, start + 16)]
+        steps = [
+            target(ids[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True).logits[0, -1]
+            for t in range(start, start + 16)
+        ]
         assert torch.equal(block, torch.stack(steps)), start
     # a prefill longer than a tile (prompt lookup verifies candidates inside it) gives the one-token logits too
     prefill = target(ids[:, :45], use_cache=True).logits[0]
     out = target(ids[:, :1], use_cache=True)
-    steps = [out.logits[0, -1]] + [target(ids[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True).logits[0, -1]
-                                   for t in range(1, 45)]
+    steps = [out.logits[0, -1]] + [
+        target(ids[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True).logits[0, -1]
+        for t in range(1, 45)
+    ]
     assert torch.equal(prefill, torch.stack(steps))
     # a tree verify: each row gives the logits of one-token forwards along its own path
     g = torch.Generator().manual_seed(4)
     for start in range(70, 184, 19):
         tree = build_tree(torch.randn(7, VOCAB, generator=g) * 3, size=15, branching=3)
         out = target(ids[:, :start], use_cache=True)
-        rows = target(torch.cat([ids[:, start : start + 1], tree.tokens[None]], dim=1), past_key_values=out.past_key_values,
-                      position_ids=start + torch.tensor([[0, *tree.depths]]), attention_mask=tree_mask(tree, start), use_cache=True).logits[0]
+        rows = target(
+            torch.cat([ids[:, start : start + 1], tree.tokens[None]], dim=1),
+            past_key_values=out.past_key_values,
+            position_ids=start + torch.tensor([[0, *tree.depths]]),
+            attention_mask=tree_mask(tree, start),
+            use_cache=True,
+        ).logits[0]
         for row in range(tree.size + 1):
             path, r = [], row
             while r:
@@ -600,8 +641,8 @@ def test_cpu_is_lossless_with_exact_verification(arch, dtype, fp32_attention):
     proposer = DrafterProposer(drafter, frozen_head_from_model(target))
     for p in random_prompts(6, seed=5):
         plain = speculative_generate(target, p, max_new_tokens=24).tokens
-        assert speculative_generate(target, p, max_new_tokens=24, proposer=proposer).tokens == plain
-        assert speculative_generate(target, p, max_new_tokens=24, proposer=proposer, tree_size=15).tokens == plain
+        assert speculative_generate(target, p, ChainPolicy(proposer), max_new_tokens=24).tokens == plain
+        assert speculative_generate(target, p, TreePolicy(proposer, 15), max_new_tokens=24).tokens == plain
         assert prompt_lookup_generate(target, p, max_new_tokens=24, num_lookup_tokens=4, pad_token_id=0).tokens == plain
 
 
@@ -620,7 +661,9 @@ def test_prompt_lookup_equals_plain_on_smollm2_in_bf16():
     torch.set_num_threads(2)  # as the harness runs on two cores (one thread takes other GEMM kernels)
     try:
         plain = speculative_generate(target, prompt.input_ids, max_new_tokens=64, stop_token_ids=stop).tokens
-        lookup = prompt_lookup_generate(target, prompt.input_ids, max_new_tokens=64, stop_token_ids=stop, num_lookup_tokens=10)
+        lookup = prompt_lookup_generate(
+            target, prompt.input_ids, max_new_tokens=64, stop_token_ids=stop, num_lookup_tokens=10
+        )
     finally:
         torch.set_num_threads(threads)
     assert lookup.tokens == plain

@@ -1,4 +1,4 @@
-"""Prompt-lookup decoding, the free baseline: transformers `generate(prompt_lookup_num_tokens=...)`.
+"""The transformers baseline: prompt-lookup decoding by `generate(prompt_lookup_num_tokens=...)`, free of any drafter.
 
 Hooks on the target split the run like the harness loop: the first forward (the prompt, plus the
 first lookup candidates that generate verifies with it) is the prefill, every later forward is a
@@ -46,19 +46,26 @@ def prompt_lookup_generate(
             first_done.append(clock(device))
 
     hooks = [target.register_forward_pre_hook(before, with_kwargs=True), target.register_forward_hook(after)]
-    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k or None) if temperature > 0 else {}
+    sampling = (
+        dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k or None) if temperature > 0 else {}
+    )
     try:
         t0 = clock(device)
         out = target.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=temperature > 0,
-            prompt_lookup_num_tokens=num_lookup_tokens, eos_token_id=stop or None,
-            pad_token_id=pad_token_id if pad_token_id is not None else (stop[0] if stop else 0), **sampling,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=temperature > 0,
+            prompt_lookup_num_tokens=num_lookup_tokens,
+            eos_token_id=stop or None,
+            pad_token_id=pad_token_id if pad_token_id is not None else (stop[0] if stop else 0),
+            **sampling,
         )
         t1 = clock(device)
     finally:
         for hook in hooks:
             hook.remove()
-    result = Generation(out[0, n:].tolist(), n, num_lookup_tokens + 1)
+    result = Generation(out[0, n:].tolist(), n)
     result.prefill_s, result.decode_s = first_done[0] - t0, t1 - first_done[0]
     result.stopped = bool(stop) and result.tokens[-1] in stop
     marks = committed[1:] + [n + len(result.tokens) - 1]  # the newest token's K/V are never computed

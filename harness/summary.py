@@ -1,0 +1,69 @@
+"""Per-method summaries of an eval's records: tau, throughput, speedup over plain decoding, losslessness, and for
+the drafter methods the acceptance histogram, drafts verified and the round-time split."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from harness.methods import DRAFTER_METHODS, LOOKUP_METHODS
+
+
+def _decode_throughput(records, method) -> tuple[int, float]:
+    """(decode tokens, decode seconds) of `method` over `records`."""
+    runs = [r["methods"][method] for r in records]
+    return sum(sum(run["acceptance_lengths"]) for run in runs), sum(run["decode_s"] for run in runs)
+
+
+def method_summary(records, method, *, greedy: bool, block_size: int | None = None) -> dict:
+    runs = [r["methods"][method] for r in records]
+    rounds = [a for run in runs for a in run["acceptance_lengths"]]
+    decode_tokens, decode_s = _decode_throughput(records, method)
+    summary = {
+        "prompts": len(runs),
+        "new_tokens": sum(len(run["tokens"]) for run in runs),
+        "decode_tokens": decode_tokens,
+        "decode_s": decode_s,
+        "prefill_s": sum(run["prefill_s"] for run in runs),
+        "rounds": len(rounds),
+        "tau": decode_tokens / len(rounds) if rounds else None,
+        "tokens_per_s": decode_tokens / decode_s if decode_s > 0 else None,
+        "speedup": None,
+        "lossless": None,
+    }
+    for baseline, key in (("plain", "speedup"), ("plain_as_loaded", "speedup_vs_loaded")):
+        if baseline in records[0]["methods"]:
+            tokens, seconds = _decode_throughput(records, baseline)
+            if summary["tokens_per_s"] and tokens and seconds > 0:
+                summary[key] = summary["tokens_per_s"] / (tokens / seconds)
+    if "plain" in records[0]["methods"] and greedy:
+        same = [r["methods"][method]["tokens"] == r["methods"]["plain"]["tokens"] for r in records]
+        summary["lossless"] = all(same)
+        summary["mismatched_prompts"] = [f"{r['source']}/{r['record_id']}" for r, ok in zip(records, same) if not ok]
+    if method in DRAFTER_METHODS:
+        counts = Counter(rounds)
+        longest = max(block_size or 1, max(rounds, default=1))  # a lookup round can commit more than a block
+        summary["acceptance_histogram"] = {str(k): counts.get(k, 0) for k in range(1, longest + 1)}
+        n = max(len(rounds), 1)
+        verified = [v for run in runs for v in run.get("verified_drafts", [])]
+        summary["verified_drafts"] = sum(verified) / len(verified) if verified else None
+        summary["round_ms"] = {
+            part: 1000 * sum(run[f"{part}_s"] for run in runs) / n for part in ("draft", "verify", "bookkeeping")
+        }
+        if method in LOOKUP_METHODS:
+            summary["lookup_rounds"] = sum(run.get("lookup_rounds", 0) for run in runs)
+        if method == "dflash_datastore":
+            summary["datastore_rounds"] = sum(run.get("datastore_rounds", 0) for run in runs)
+    return summary
+
+
+def summarize(records, methods, *, greedy: bool, block_size: int | None) -> dict:
+    out = {}
+    for method in methods:
+        out[method] = method_summary(records, method, greedy=greedy, block_size=block_size)
+        out[method]["by_source"] = {
+            source: method_summary(
+                [r for r in records if r["source"] == source], method, greedy=greedy, block_size=block_size
+            )
+            for source in dict.fromkeys(r["source"] for r in records)
+        }
+    return out
