@@ -1,0 +1,243 @@
+"""The typed settings of every stage: one dataclass per Hydra config group, each default stated once, here.
+
+Every entry point (`python -m pipeline | trainer | harness`) composes the whole of conf/config.yaml, so each
+needs every group's schema; they live in the core because no stage may import another. The dataclasses are
+plain: a stage's code gets an instance (`OmegaConf.to_object`), never a DictConfig. The yaml files under conf/
+hold profiles (values that differ from these defaults) and documentation of the choices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+MISSING = "???"  # OmegaConf's marker of a value the yaml or the command line must give
+
+# --- model (conf/model/*.yaml) ----------------------------------------------------------------
+
+
+@dataclass
+class ChatConfig:
+    system_prompt: str | None = None  # None: the template's own default system prompt
+    enable_thinking: bool | None = None  # passed to templates that know it (Qwen3); None: not a thinking model
+
+
+@dataclass
+class ModelConfig:
+    """The target. `num_layers` and `hidden_size` serve estimates where the target's own config is out of reach."""
+
+    name: str = MISSING
+    target: str = MISSING  # a hub id, a local HF folder, or smollm2-135m (the embedded default)
+    num_layers: int = MISSING
+    hidden_size: int = MISSING
+    layer_ids: list[int] | None = None  # the layers to capture; None: the reference formula (flashdraft.spec)
+    num_target_features: int = 5  # how many layers the formula picks
+    dtype: str = "bfloat16"  # auto (bf16 on CUDA and on CPUs with fast bf16, else float32) | bfloat16 | float32
+    chat: ChatConfig = field(default_factory=ChatConfig)
+
+
+# --- drafter geometry (the `drafter` node of conf/config.yaml; profiles override it) -------------
+
+
+@dataclass
+class DrafterConfig:
+    """The drafter's shape as asked for; the trainer makes the DraftSpec from it and the store's layer ids."""
+
+    block_size: int = 16
+    num_layers: int = 5
+    layer_ids: list[int] | None = None  # None: every layer the feature stores hold
+    intermediate_size: int | None = None  # None: the target's
+
+
+# --- data: prompts -> features (conf/data/*.yaml; read by the pipeline) -------------------------
+
+
+@dataclass
+class SamplingConfig:
+    """How the target writes responses (greedy unless do_sample)."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+
+
+@dataclass
+class StoreConfig:
+    """The feature store's layout (flashdraft.store.StoreLayout)."""
+
+    dtype: str = "bfloat16"  # bfloat16 | float16 | float8_e4m3 (per-token scales) | float32
+    codec: str = "blosc-zstd"  # blosc-zstd | blosc-lz4 | zstd | none
+    clevel: int = 3
+    chunk_tokens: int = 64  # inner chunk rows: the unit of a random read
+    shard_tokens: int = 4096  # rows per chunk file: the unit of a write
+    teacher_topk: int = 0  # > 0: also keep the target's k most likely next tokens per token (train.soft_labels)
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING
+    sources: list[str] = field(default_factory=lambda: ["humaneval", "mtbench"])
+    path: str | None = None  # data=local: the user's .jsonl or .parquet file
+    split: str | None = "train"  # train | heldout | None (all): held-out prompts stay for the harness
+    limit: Any = None  # records per source: a number for all, a {source: number} map, or None (all)
+    heldout_fraction: float = 0.2
+    mode: str = "regenerate"  # regenerate: the target writes the responses | capture: the records carry them
+    max_new_tokens: int = 512
+    max_length: int = 3072  # prompt + response tokens
+    max_prompt_tokens: int = 2048  # longer prompts are rejected
+    expected_response_tokens: int | None = None  # for `estimate` (None: max_new_tokens / 2)
+    batch_size: int = 8  # rows decoding together; a row that ends takes the next prompt
+    shard_size: int = 32  # prompts per fleet task = per store shard
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+
+
+# --- cluster (conf/cluster/*.yaml) --------------------------------------------------------------
+
+
+@dataclass
+class ClusterConfig:
+    name: str = "local"
+    ray_address: str | None = None  # None: start a local Ray; auto: join the cluster this node belongs to
+    num_actors: int = 1  # capture workers (0: in-process, no Ray)
+    gpus_per_actor: float = 0
+    cpus_per_actor: float = 1
+    max_attempts: int = 3  # a shard failing this often is reported, not retried
+    object_store_mb: int = 256
+
+
+# --- train (conf/train/*.yaml; read by the trainer) ---------------------------------------------
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"  # offline | online | disabled (the WANDB_MODE variable wins)
+    project: str = "flashdraft"
+    entity: str | None = None
+    name: str | None = None
+
+
+@dataclass
+class TrainConfig:
+    """How a drafter is trained (its shape is `DrafterConfig`; its target layers come from the feature stores).
+    The defaults are the paper's recipe."""
+
+    stores: list[str] = field(default_factory=lambda: ["${features_dir}"])  # feature store paths
+    out_dir: str = "${run_dir}/train"  # checkpoints/, metrics.jsonl, wandb/
+    drafter_dir: str | None = "${drafter_dir}"  # a copy of the latest exported drafter, read by the harness
+    target: str = "${model.target}"
+    eval_stores: list[str] | None = None  # held-out stores for eval/* (None: a hashed held-out part of `stores`)
+    init: str = "random"  # random | target (draft layers start as the target's top layers) | a drafter folder
+    num_anchors: int = 512  # blocks per sequence per epoch
+    gamma: float | None = None  # loss decay exp(-(k-1)/gamma); None: the paper's for the block size
+    soft_labels: float = 0.0  # weight of the target's top-k distribution in the labels (0: the paper's hard labels)
+    loss_vocab: int = 0  # > 0: the training softmax over the k most frequent response tokens (+ the batch's labels)
+    max_length: int = 3072
+    token_budget: int = 16384  # padded tokens (context + blocks) per micro-batch
+    grad_accum: int = 1
+    epochs: int = 6
+    max_steps: int | None = None
+    lr: float = 6e-4
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    warmup_ratio: float = 0.04
+    grad_clip: float = 1.0
+    zero_stage: int = 2
+    dtype: str = "auto"  # auto (bf16 on GPU; on a CPU the faster of bf16 and fp32, timed) | bfloat16 | float32
+    device: str = "${device}"  # auto | cpu | cuda
+    attention: str = "auto"  # auto (flex on GPU, dense on CPU) | flex | dense
+    compile: str = "auto"  # torch.compile the drafter: auto (on GPU) | true | false
+    ce_chunk: int = 1024  # loss rows a chunk: the logits of one chunk are the loss's peak memory
+    loader_workers: int = 4  # threads building micro-batches ahead
+    prefetch: int = 4  # micro-batches built ahead
+    checkpoint_every: int = 1000  # steps (0: only at the end)
+    keep_checkpoints: int = 3
+    eval_every: int = 500  # steps (0: only at the end)
+    eval_batches: int = 8
+    heldout_fraction: float = 0.02  # the hashed held-out part of `stores` when there are no eval_stores
+    log_every: int = 1
+    seed: int = "${seed}"
+    resume: bool = True  # continue from the latest checkpoint in out_dir
+    check_target: bool = True  # refuse stores captured from another target (config and tokenizer hashes)
+    progress: bool = True
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+# --- eval (conf/eval/*.yaml; read by the harness) -----------------------------------------------
+
+
+@dataclass
+class EvalConfig:
+    """What `python -m harness` measures and how (the quick profile's values; `eval=full|paper` override some).
+    Paths default to the root's run folders by interpolation."""
+
+    name: str = "quick"
+    prompts: list[str] = field(default_factory=lambda: ["humaneval", "mtbench"])  # flashdraft.prompts sources
+    split: str = "heldout"  # heldout | train | all
+    heldout_fraction: float = 0.2  # the share of each source held out (data=heldout reads it too)
+    limit: int | None = 4  # prompts per source (None: all)
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0: greedy, outputs compared token for token with plain decoding
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    block_size: int | None = None  # None: the drafter's (1: plain decoding); an untrained drafter: DraftSpec's default
+    drafter: str | None = "${drafter_dir}"
+    allow_untrained: bool = True  # no drafter at `drafter`: measure a random one, flagged loudly
+    # the tree, lookup and datastore methods are greedy only; plain_as_loaded: the target without exact verification
+    methods: list[str] = field(
+        default_factory=lambda: [
+            "plain",
+            "plain_as_loaded",
+            "prompt_lookup",
+            "dflash",
+            "dflash_tree",
+            "dflash_lookup",
+            "dflash_datastore",
+        ]
+    )
+    prompt_lookup_num_tokens: int = 10  # prompt_lookup, and the most tokens a lookup or datastore round verifies
+    draft_cutoff: float = 0.0  # dflash: verify the drafts of cumulative draft probability >= this (0: all)
+    tree_size: int = 7  # dflash_tree (and the lookup methods' tree): candidates verified a round
+    tree_branching: int = 4  # ... candidate tokens a block position
+    draft_vocab: int = 8192  # drafts score only this many most frequent response tokens (FR-Spec; 0: all words)
+    draft_vocab_store: str | None = "${run_dir}/features"  # the store they are counted in (eval prompts left out)
+    lookup_ngram: int = 3  # dflash_lookup: verify what followed the newest this-many tokens where they occurred before
+    datastore: str | None = "${run_dir}/features"  # dflash_datastore: the training store whose responses it continues
+    datastore_ngram: int = 4  # ... the newest this-many tokens
+    datastore_min_ngram: int = 2  # ... backing off to as few as this many
+    datastore_min_count: int = 2  # ... with a continuation seen at least this often (and in at least half the cases)
+    resume: bool = True  # prompts runs.jsonl holds under the same settings are not run again
+    warmup: bool = True  # one short untimed run per method first
+    num_threads: int | None = None  # torch CPU threads (None: torch's default)
+    seed: int = "${seed}"
+    out_dir: str = "${eval_dir}"
+    metrics: str | None = "${run_dir}/train/metrics.jsonl"  # the trainer's log: training.png and train/serve parity
+    replay_store: str | None = "${run_dir}/features-heldout"  # the eval prompts' store: served-order replay
+
+
+# --- the root and its registration with Hydra ---------------------------------------------------
+
+
+@dataclass
+class Config:
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    train: TrainConfig = MISSING
+    eval: EvalConfig = MISSING
+    cluster: ClusterConfig = MISSING
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    seed: int = 0
+    run_dir: str = "runs/${model.name}"
+    features_dir: str = "${run_dir}/features"
+    drafter_dir: str = "${run_dir}/drafter"
+    eval_dir: str = "${run_dir}/eval"
+    device: str = "auto"  # auto | cpu | cuda
+    trust_remote_code: bool = False
+
+
+def register_configs() -> None:
+    """Make the schema known to Hydra as `schema` (conf/config.yaml builds on it). Call before composing."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="schema", node=Config)

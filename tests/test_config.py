@@ -1,0 +1,62 @@
+"""The Hydra configuration: every yaml under conf/ composes against the typed schema (flashdraft/config.py), the
+profiles set their groups and the drafter's block size in one place, and a bad key or value is refused by name."""
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+from omegaconf.errors import ValidationError
+
+from flashdraft.config import Config, DataConfig, DrafterConfig, register_configs
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def composed(*overrides: str):
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize(
+    "group,option",
+    [(g, o) for g in ("model", "data", "train", "eval", "cluster", "profile") for o in options(g)],
+)
+def test_every_yaml_composes_against_the_schema(group, option):
+    extra = ["data.path=/tmp/prompts.jsonl"] if (group, option) == ("data", "local") else []
+    cfg = composed(f"{group}={option}", *extra)
+    config = OmegaConf.to_object(cfg)
+    assert isinstance(config, Config)
+    assert isinstance(config.data, DataConfig) and isinstance(config.drafter, DrafterConfig)
+
+
+def test_defaults_come_from_the_schema():
+    config = OmegaConf.to_object(composed())
+    assert config.model.name == "smollm2-135m" and config.data.name == "offline"
+    assert config.drafter == DrafterConfig()  # block 16, 5 layers, the store's layer ids
+    assert config.features_dir == "runs/smollm2-135m/features"
+    assert config.data.store.dtype == "bfloat16" and config.cluster.num_actors == 1
+
+
+def test_a_profile_sets_its_groups_and_the_block_size_in_one_place():
+    cfg = composed("profile=quick")
+    assert (cfg.data.name, cfg.eval.name, cfg.drafter.block_size) == ("quick", "quick", 8)
+    assert cfg.run_dir == "runs/quick-smollm2-135m" and cfg.train.max_steps == 600
+    heldout = composed("profile=quick", "data=heldout", "drafter.block_size=4")
+    assert heldout.data.name == "heldout" and heldout.drafter.block_size == 4  # the command line wins
+
+
+def test_unknown_keys_and_wrong_types_are_refused_by_name():
+    with pytest.raises(ConfigCompositionException, match="train.lrate"):
+        composed("train.lrate=1e-3")
+    with pytest.raises(ConfigCompositionException, match="drafter.block_size") as error:
+        composed("drafter.block_size=sixteen")
+    assert isinstance(error.value.__cause__, ValidationError)
+    with pytest.raises(ConfigCompositionException, match="anchor_follow"):  # a retired option is gone, not ignored
+        composed("train.anchor_follow=0.5")
