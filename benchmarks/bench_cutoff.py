@@ -70,7 +70,7 @@ def main() -> None:
         rounds = sum(len(g.acceptance_lengths) for g in gens)
         tokens = sum(g.decode_tokens for g in gens)
         seconds = sum(g.decode_s for g in gens)
-        ms = lambda part: 1000 * sum(sum(getattr(g, part)) for g in gens) / rounds  # noqa: E731
+        ms = lambda part, gens=gens, rounds=rounds: 1000 * sum(sum(getattr(g, part)) for g in gens) / rounds  # noqa: E731
         verified = sum(sum(g.verified_drafts) for g in gens) / rounds
         print(
             f"{c:10.2f} {tokens / rounds:5.2f}  {verified:14.2f}  {ms('draft_s'):8.1f}  {ms('verify_s'):9.1f}  "

@@ -4,7 +4,8 @@
                                                [--dtype auto|float32|bfloat16] [--tree-size 15] [--drafter PATH]
 
 SmolLM2-135M (the embedded default) with an untrained 5-layer drafter (or --drafter) on held-out HumanEval
-prompts, a chain verified a round (or with --tree-size, a tree of that many candidates); both loops are the harness's, so the ratios compare like with like. Printed ratios:
+prompts, a chain verified a round (or with --tree-size, a tree of that many candidates); both loops are the harness's, \
+so the ratios compare like with like. Printed ratios:
 round / plain step (the cost tau must beat), verify / plain step, draft / plain step, and the
 break-even tau (speedup = tau * plain step / round); on CPU, where the harness makes verification exact, also
 the plain step of the target left as loaded (what exactness costs plain decoding).
@@ -84,16 +85,20 @@ def main() -> None:
     verified = f"a tree of {args.tree_size} candidates" if args.tree_size else "one chain"
     print(
         f"SmolLM2-135M {str(dtype).removeprefix('torch.')} ({target.config._attn_implementation} attention), "
-        f"{'untrained' if untrained else 'trained'} {len(drafter.layers)}-layer drafter ({drafter.num_parameters() / 1e6:.1f}M params), "
-        f"block {block_size}, {verified} verified a round, {len(prompts)} HumanEval prompts ({min(prompt_lens)}-{max(prompt_lens)} tokens, "
+        f"{'untrained' if untrained else 'trained'} {len(drafter.layers)}-layer drafter "
+        f"({drafter.num_parameters() / 1e6:.1f}M params), "
+        f"block {block_size}, {verified} verified a round, {len(prompts)} HumanEval prompts "
+        f"({min(prompt_lens)}-{max(prompt_lens)} tokens, "
         f"up to {max(cache_lens)} with output), {torch.get_num_threads()} threads"
     )
     print(f"plain decode step    {step:8.2f} ms  ({len(plain_steps)} steps)")
     print(
-        f"round: draft        {ms(draft):8.2f} ms  (of which the output head over {block_size - 1} positions ~{head_ms:.2f} ms)"
+        f"round: draft        {ms(draft):8.2f} ms  "
+        f"(of which the output head over {block_size - 1} positions ~{head_ms:.2f} ms)"
     )
     print(
-        f"       verify       {ms(verify):8.2f} ms  (target forward over {args.tree_size + 1 if args.tree_size else block_size} tokens)"
+        f"       verify       {ms(verify):8.2f} ms  "
+        f"(target forward over {args.tree_size + 1 if args.tree_size else block_size} tokens)"
     )
     print(f"       bookkeeping  {ms(book):8.2f} ms")
     print(f"       total        {rnd:8.2f} ms  ({len(draft)} rounds)")
@@ -107,8 +112,10 @@ def main() -> None:
     )
     if unpatched_steps:
         print(
-            f"plain decode step of the target without exact verification (unpadded GEMMs, {unpatched.config._attn_implementation}): "
-            f"{ms(unpatched_steps):.2f} ms, {ms(unpatched_steps) / step:.2f}x the exact step the speedups are measured against"
+            "plain decode step of the target without exact verification "
+            f"(unpadded GEMMs, {unpatched.config._attn_implementation}): "
+            f"{ms(unpatched_steps):.2f} ms, {ms(unpatched_steps) / step:.2f}x "
+            "the exact step the speedups are measured against"
         )
 
 

@@ -76,7 +76,8 @@ def main() -> None:
         "--datastores",
         nargs="*",
         default=[],
-        help="dflash_datastore settings, n-gram:min_count or n-gram-min_ngram:min_count (with the first tree and last lookup)",
+        help="dflash_datastore settings, n-gram:min_count or n-gram-min_ngram:min_count "
+        "(with the first tree and last lookup)",
     )
     ap.add_argument("--datastore-store", default=None, help="the store the datastore is built from (default: --store)")
     ap.add_argument("--draft-vocabs", type=int, nargs="+", default=[0], help="draft vocabulary sizes (0: all words)")
@@ -146,7 +147,8 @@ def main() -> None:
         else:
             rows_verified[setting] = 1 + round(sum(verified) / len(verified))  # a verify forward's rows, typically
         print(
-            f"replayed {setting}: tau {taus[vocab, setting]:.3f}, {sum(verified) / len(verified):.2f} drafts verified a round",
+            f"replayed {setting}: tau {taus[vocab, setting]:.3f}, "
+            f"{sum(verified) / len(verified):.2f} drafts verified a round",
             flush=True,
         )
 
@@ -188,7 +190,7 @@ def main() -> None:
             return time.perf_counter() - t0
 
         times = {"plain": [], **{("draft", k): [] for k in proposers}, **{s: [] for s, _ in shapes}}
-        for repeat in range(args.repeats + 1):  # the first pass warms up and is dropped
+        for _ in range(args.repeats + 1):  # the first pass warms up and is dropped
             times["plain"].append(verify(("chain", 0, 0, 0, 0, ""), 1))
             for k, p in proposers.items():
                 times["draft", k].append(draft(timed=True, proposer=p))
@@ -196,8 +198,10 @@ def main() -> None:
                 times[setting].append(verify(setting, rows))
     ms = {k: 1000 * statistics.median(v[1:]) for k, v in times.items()}
     print(
-        f"\nSmolLM2-135M {str(dtype).removeprefix('torch.')} ({target.config._attn_implementation}), drafter {args.drafter} "
-        f"(block {drafter.block_size}), replay on {len(seq_ids)} responses of {args.store} (<= {args.max_new_tokens} tokens), "
+        f"\nSmolLM2-135M {str(dtype).removeprefix('torch.')} ({target.config._attn_implementation}), "
+        f"drafter {args.drafter} "
+        f"(block {drafter.block_size}), replay on {len(seq_ids)} responses of {args.store} "
+        f"(<= {args.max_new_tokens} tokens), "
         f"cache {start} tokens, {torch.get_num_threads()} threads, medians of {args.repeats}"
     )
     drafts = ", ".join(f"{ms['draft', k]:.1f} ms ({f'{k} words' if k else 'all words'})" for k in proposers)
@@ -214,7 +218,8 @@ def main() -> None:
             round_ms = share * ms[setting] + (1 - share) * (ms["draft", vocab] + ms[tree])
             note = f"  ({100 * share:.0f}% lookup rounds; rows and verify ms: theirs)" if kind == "lookup" else ""
             print(
-                f"{name:32s} {vocab or 'all':>5}  {taus[vocab, setting]:10.3f}  {rows_verified[setting]:4d}  {ms[setting]:9.1f}  "
+                f"{name:32s} {vocab or 'all':>5}  {taus[vocab, setting]:10.3f}  "
+                f"{rows_verified[setting]:4d}  {ms[setting]:9.1f}  "
                 f"{round_ms / ms['plain']:16.2f}  {taus[vocab, setting] * ms['plain'] / round_ms:16.2f}x{note}"
             )
 

@@ -42,7 +42,8 @@ def methods_table(methods: dict) -> str:
     for name, m in methods.items():
         vs_loaded = f" {_fmt(m.get('speedup_vs_loaded'), unit='x')} |" if loaded else ""
         lines.append(
-            f"| {name} | {_fmt(m['tau'])} | {_fmt(m['tokens_per_s'])} | {_fmt(m['speedup'], unit='x')} |{vs_loaded} {_fmt(m['lossless'])} "
+            f"| {name} | {_fmt(m['tau'])} | {_fmt(m['tokens_per_s'])} | {_fmt(m['speedup'], unit='x')} |"
+            f"{vs_loaded} {_fmt(m['lossless'])} "
             f"| {m['decode_tokens']} | {_fmt(m['decode_s'])} |"
         )
     return "\n".join(lines)
@@ -55,10 +56,13 @@ def render_markdown(report: dict) -> str:
         out += [f"> **WARNING: {report['warning']}**", ""]
     out += [
         f"- target: `{s['target']}`; drafter: `{s['drafter']}`",
-        f"- prompts: {', '.join(f'{k} ({v})' for k, v in s['prompt_counts'].items())}; split {s['split']}, limit {s['limit']} per source",
-        f"- max_new_tokens {s['max_new_tokens']}, temperature {s['temperature']}, top_p {s['top_p']}, top_k {s['top_k']}, "
+        f"- prompts: {', '.join(f'{k} ({v})' for k, v in s['prompt_counts'].items())}; "
+        f"split {s['split']}, limit {s['limit']} per source",
+        f"- max_new_tokens {s['max_new_tokens']}, temperature {s['temperature']}, "
+        f"top_p {s['top_p']}, top_k {s['top_k']}, "
         f"block size {s['block_size']}, prompt lookup {s['prompt_lookup_num_tokens']} tokens",
-        f"- device {s['device']} ({s['dtype']}, {s.get('attention', 'sdpa')} attention), torch {s['torch']}, transformers {s['transformers']}, "
+        f"- device {s['device']} ({s['dtype']}, {s.get('attention', 'sdpa')} attention), "
+        f"torch {s['torch']}, transformers {s['transformers']}, "
         f"{s['torch_threads']} threads, {s['date']}",
         *(
             [
@@ -154,10 +158,12 @@ def _training_section(report: dict) -> list[str]:
         out += [
             "Train/serve parity:",
             "",
-            f"| offline tau (trainer's held-out eval, step {parity['offline_step']}) | served-order replay on the stored "
+            f"| offline tau (trainer's held-out eval, step {parity['offline_step']}) | "
+            "served-order replay on the stored "
             "responses | served DFlash tau (this eval) | relative gap |",
             "|---|---|---|---|",
-            f"| {parity['offline_tau']:.3f} | {replayed} | {parity['served_tau']:.3f} | {100 * parity['relative_gap']:+.1f}% |",
+            f"| {parity['offline_tau']:.3f} | {replayed} | {parity['served_tau']:.3f} | "
+            f"{100 * parity['relative_gap']:+.1f}% |",
             "",
             f"Trainer metrics: `{parity['metrics']}`.{gap}",
             "",

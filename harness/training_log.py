@@ -62,9 +62,12 @@ def train_serve_parity(
         parts = [PARITY_REASONS] + [CUTOFF_REASON] * (draft_cutoff > 0)
         if replay_tau:
             parts.append(
-                f"Replaying the served rounds offline on the stored responses of the same prompts gives tau {replay_tau:.3f}: "
-                f"block starts account for {100 * (replay_tau - offline_tau) / offline_tau:+.1f}%, and serving itself (live "
-                f"features, responses that part from the stored ones) for {100 * (served_tau - replay_tau) / replay_tau:+.1f}%."
+                "Replaying the served rounds offline on the stored responses of the same prompts "
+                f"gives tau {replay_tau:.3f}: "
+                f"block starts account for {100 * (replay_tau - offline_tau) / offline_tau:+.1f}%, "
+                "and serving itself (live "
+                "features, responses that part from the stored ones) "
+                f"for {100 * (served_tau - replay_tau) / replay_tau:+.1f}%."
             )
         explanation = " ".join(parts)
     return {
@@ -88,10 +91,12 @@ def parity_line(parity: dict) -> str:
         ""
         if not parity.get("replay_tree_tau")
         else (
-            f"; tree verification: replay {parity['replay_tree_tau']:.3f} vs served dflash_tree tau {parity['served_tree_tau']:.3f}"
+            f"; tree verification: replay {parity['replay_tree_tau']:.3f} "
+            f"vs served dflash_tree tau {parity['served_tree_tau']:.3f}"
         )
     )
     return (
         f"train/serve parity: offline tau {parity['offline_tau']:.3f} (trainer's held-out eval, step "
-        f"{parity['offline_step']}){replay} vs served dflash tau {parity['served_tau']:.3f}: gap {100 * parity['relative_gap']:+.1f}%{tree}"
+        f"{parity['offline_step']}){replay} vs served dflash tau {parity['served_tau']:.3f}: "
+        f"gap {100 * parity['relative_gap']:+.1f}%{tree}"
     )

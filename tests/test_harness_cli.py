@@ -133,8 +133,8 @@ def test_quick_eval_writes_reports(target_dir, tmp_path, capsys):
         0 <= ds["datastore_rounds"] <= ds["lookup_rounds"] <= ds["rounds"] == sum(ds["acceptance_histogram"].values())
     )
     assert (
-        "datastore rounds, the continuation of the newest 4 (down to 2) tokens seen at least 2 times in 2 training responses"
-        in md
+        "datastore rounds, the continuation of the newest 4 (down to 2) tokens "
+        "seen at least 2 times in 2 training responses" in md
     )
     printed = capsys.readouterr().out
     assert "| prompt_lookup |" in printed and "UNTRAINED" in printed and "1 eval prompts' sequences left out" in printed
