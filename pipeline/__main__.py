@@ -20,7 +20,6 @@ from flashdraft.config import register_configs  # noqa: E402
 from flashdraft.prompts import PromptSourceUnavailable  # noqa: E402
 from flashdraft.spec import capture_layer_ids, check_layer_ids, default_layer_ids  # noqa: E402
 from flashdraft.store import StoreError, verify_store  # noqa: E402
-from pipeline.capture import Sampling  # noqa: E402
 from pipeline.fleet import FleetConfig, run_fleet  # noqa: E402
 from pipeline.job import estimate, load_records, open_store, target_config  # noqa: E402
 from pipeline.worker import CaptureSettings  # noqa: E402
@@ -51,7 +50,7 @@ def settings_from(cfg: DictConfig, offline_ok: bool = False) -> CaptureSettings:
         max_length=int(d.max_length),
         max_prompt_tokens=int(d.max_prompt_tokens),
         batch_size=int(d.batch_size),
-        sampling=Sampling(**OmegaConf.to_container(d.sampling)),
+        sampling=OmegaConf.to_object(d.sampling),
         seed=int(cfg.seed),
         system_prompt=m.chat.system_prompt,
         enable_thinking=m.chat.enable_thinking,
@@ -68,8 +67,8 @@ def fleet_from(cfg: DictConfig) -> FleetConfig:
         gpus_per_actor=float(c.gpus_per_actor),
         ray_address=c.ray_address,
         shard_size=int(cfg.data.shard_size),
-        max_attempts=int(c.get("max_attempts", 3)),
-        object_store_mb=int(c.get("object_store_mb", 256)),
+        max_attempts=int(c.max_attempts),
+        object_store_mb=int(c.object_store_mb),
     )
 
 
@@ -103,7 +102,7 @@ def estimate_command(cfg: DictConfig) -> int:
         dtype=cfg.data.store.dtype,
         store_path=cfg.features_dir,
         expected_response_tokens=cfg.data.expected_response_tokens,
-        teacher_topk=int(cfg.data.store.get("teacher_topk", 0)),
+        teacher_topk=int(cfg.data.store.teacher_topk),
     )
     gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
     print(

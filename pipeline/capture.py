@@ -23,20 +23,13 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from flashdraft.config import SamplingConfig
 from flashdraft.model import extract_context_feature
 from flashdraft.sampling import sample, sampling_probs
 
 
 class TargetNaNError(RuntimeError):
     """The target produced NaN/Inf hidden states."""
-
-
-@dataclass(frozen=True)
-class Sampling:
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
 
 
 @dataclass
@@ -67,7 +60,7 @@ def left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, 
     return ids.to(device), mask.to(device), pos.to(device)
 
 
-def pick_tokens(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
+def pick_tokens(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
     if not sampling.do_sample or sampling.temperature <= 0:
         return logits.argmax(-1)
     return sample(sampling_probs(logits, sampling.temperature, sampling.top_p, sampling.top_k), generator)
@@ -87,7 +80,7 @@ def regenerate(
     max_new_tokens: int | list[int],
     stop_ids: list[int],
     pad_id: int,
-    sampling: Sampling = Sampling(),
+    sampling: SamplingConfig | None = None,
     generator: torch.Generator | None = None,
     batch_size: int | None = None,
     teacher_topk: int = 0,
@@ -97,11 +90,13 @@ def regenerate(
     Continuous batching: at most `batch_size` sequences (default: all of them) decode together; a
     sequence leaves the batch the step it ends, and waiting prompts take the free rows (prefilled
     together, then merged into the batch's cache, left-padded to a common width), so no step is spent
-    on finished rows. `max_new_tokens` may be per prompt. The response includes its stop token.
+    on finished rows. `max_new_tokens` may be per prompt. The response includes its stop token. `sampling`:
+    None is greedy.
     """
     limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     if len(limits) != len(prompts) or any(n < 1 for n in limits):
         raise ValueError(f"max_new_tokens must be >= 1 for every prompt, got {limits}")
+    sampling = sampling or SamplingConfig()
     decode = _ContinuousDecode(model, prompts, layer_ids, limits, stop_ids, pad_id, sampling, generator, teacher_topk)
     return decode.run(batch_size or max(1, len(prompts)))
 

@@ -12,10 +12,11 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from flashdraft.config import SamplingConfig
 from flashdraft.prompts import PromptRecord
 from flashdraft.store import ShardWriter, StoreLayout, read_manifest, shard_exists
 from flashdraft.target import chat_input_ids, load_target, resolve_dtype, stop_token_ids
-from pipeline.capture import Sampling, capture, regenerate
+from pipeline.capture import capture, regenerate
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class CaptureSettings:
     max_length: int = 3072  # prompt + response, tokens
     max_prompt_tokens: int = 2048
     batch_size: int = 8
-    sampling: Sampling = field(default_factory=Sampling)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
     seed: int = 0
     system_prompt: str | None = None
     enable_thinking: bool | None = None

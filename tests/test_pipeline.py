@@ -9,11 +9,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from flashdraft.config import SamplingConfig
 from flashdraft.prompts import PromptSourceUnavailable, load_prompts
 from flashdraft.store import StoreError, StoreReader, read_manifest, read_rejects, verify_store
 from flashdraft.store.files import SHARDS
 from flashdraft.target import capture_features, load_tokenizer
-from pipeline.capture import Sampling, TargetNaNError, capture, regenerate
+from pipeline.capture import TargetNaNError, capture, regenerate
 from pipeline.fleet import FleetConfig, run_fleet
 from pipeline.job import load_records, open_store
 from pipeline.worker import CaptureSettings, CaptureWorker
@@ -123,7 +124,7 @@ def test_teacher_topk_is_the_fresh_forwards_next_token_distribution(batch_size):
 
 def test_sampling_is_seeded_and_respects_top_k():
     model = tiny()
-    s = Sampling(do_sample=True, temperature=1.5, top_k=3)
+    s = SamplingConfig(do_sample=True, temperature=1.5, top_k=3)
     run = lambda seed: regenerate(
         model,
         [[1, 2, 3]] * 2,
