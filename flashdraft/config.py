@@ -8,7 +8,8 @@ hold profiles (values that differ from these defaults) and documentation of the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import typing
+from dataclasses import dataclass, field, is_dataclass
 from typing import Any
 
 MISSING = "???"  # OmegaConf's marker of a value the yaml or the command line must give
@@ -121,12 +122,12 @@ class WandbConfig:
 @dataclass
 class TrainConfig:
     """How a drafter is trained (its shape is `DrafterConfig`; its target layers come from the feature stores).
-    The defaults are the paper's recipe."""
+    The defaults are the paper's recipe; conf/config.yaml links the paths, seed and device to the root's."""
 
-    stores: list[str] = field(default_factory=lambda: ["${features_dir}"])  # feature store paths
-    out_dir: str = "${run_dir}/train"  # checkpoints/, metrics.jsonl, wandb/
-    drafter_dir: str | None = "${drafter_dir}"  # a copy of the latest exported drafter, read by the harness
-    target: str = "${model.target}"
+    stores: list[str] = MISSING  # feature store paths
+    out_dir: str = MISSING  # checkpoints/, metrics.jsonl, wandb/
+    drafter_dir: str | None = None  # a copy of the latest exported drafter, read by the harness
+    target: str = MISSING  # the target the stores were captured from (a hub id, a folder, smollm2-135m)
     eval_stores: list[str] | None = None  # held-out stores for eval/* (None: a hashed held-out part of `stores`)
     init: str = "random"  # random | target (draft layers start as the target's top layers) | a drafter folder
     num_anchors: int = 512  # blocks per sequence per epoch
@@ -145,7 +146,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     zero_stage: int = 2
     dtype: str = "auto"  # auto (bf16 on GPU; on a CPU the faster of bf16 and fp32, timed) | bfloat16 | float32
-    device: str = "${device}"  # auto | cpu | cuda
+    device: str = "auto"  # auto | cpu | cuda
     attention: str = "auto"  # auto (flex on GPU, dense on CPU) | flex | dense
     compile: str = "auto"  # torch.compile the drafter: auto (on GPU) | true | false
     ce_chunk: int = 1024  # loss rows a chunk: the logits of one chunk are the loss's peak memory
@@ -157,7 +158,7 @@ class TrainConfig:
     eval_batches: int = 8
     heldout_fraction: float = 0.02  # the hashed held-out part of `stores` when there are no eval_stores
     log_every: int = 1
-    seed: int = "${seed}"
+    seed: int = 0
     resume: bool = True  # continue from the latest checkpoint in out_dir
     check_target: bool = True  # refuse stores captured from another target (config and tokenizer hashes)
     progress: bool = True
@@ -170,7 +171,7 @@ class TrainConfig:
 @dataclass
 class EvalConfig:
     """What `python -m harness` measures and how (the quick profile's values; `eval=full|paper` override some).
-    Paths default to the root's run folders by interpolation."""
+    conf/config.yaml links its paths, seed and device to the root's; built directly, they are given."""
 
     name: str = "quick"
     prompts: list[str] = field(default_factory=lambda: ["humaneval", "mtbench"])  # flashdraft.prompts sources
@@ -182,7 +183,7 @@ class EvalConfig:
     top_p: float = 1.0
     top_k: int = 0  # 0: off
     block_size: int | None = None  # None: the drafter's (1: plain decoding); an untrained drafter: DraftSpec's default
-    drafter: str | None = "${drafter_dir}"
+    drafter: str | None = None  # the exported drafter folder
     allow_untrained: bool = True  # no drafter at `drafter`: measure a random one, flagged loudly
     # the tree, lookup and datastore methods are greedy only; plain_as_loaded: the target without exact verification
     methods: list[str] = field(
@@ -201,19 +202,19 @@ class EvalConfig:
     tree_size: int = 7  # dflash_tree (and the lookup methods' tree): candidates verified a round
     tree_branching: int = 4  # ... candidate tokens a block position
     draft_vocab: int = 8192  # drafts score only this many most frequent response tokens (FR-Spec; 0: all words)
-    draft_vocab_store: str | None = "${run_dir}/features"  # the store they are counted in (eval prompts left out)
+    draft_vocab_store: str | None = None  # the store they are counted in (eval prompts left out)
     lookup_ngram: int = 3  # dflash_lookup: verify what followed the newest this-many tokens where they occurred before
-    datastore: str | None = "${run_dir}/features"  # dflash_datastore: the training store whose responses it continues
+    datastore: str | None = None  # dflash_datastore: the training store whose responses it continues
     datastore_ngram: int = 4  # ... the newest this-many tokens
     datastore_min_ngram: int = 2  # ... backing off to as few as this many
     datastore_min_count: int = 2  # ... with a continuation seen at least this often (and in at least half the cases)
     resume: bool = True  # prompts runs.jsonl holds under the same settings are not run again
     warmup: bool = True  # one short untimed run per method first
     num_threads: int | None = None  # torch CPU threads (None: torch's default)
-    seed: int = "${seed}"
-    out_dir: str = "${eval_dir}"
-    metrics: str | None = "${run_dir}/train/metrics.jsonl"  # the trainer's log: training.png and train/serve parity
-    replay_store: str | None = "${run_dir}/features-heldout"  # the eval prompts' store: served-order replay
+    seed: int = 0
+    out_dir: str = MISSING
+    metrics: str | None = None  # the trainer's log: training.png and train/serve parity
+    replay_store: str | None = None  # the eval prompts' store: served-order replay
 
 
 # --- the root and its registration with Hydra ---------------------------------------------------
@@ -241,3 +242,29 @@ def register_configs() -> None:
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name="schema", node=Config)
+
+
+def unknown_settings(values: dict, schema: type) -> list[str]:
+    """The dotted keys of `values` (a plain mapping) that the dataclass `schema` has no field for. Hydra's
+    `+key=value` adds such keys to a structured config, and `OmegaConf.to_object` would drop them silently."""
+    hints = typing.get_type_hints(schema)
+    unknown = []
+    for key, value in values.items():
+        if key not in hints:
+            unknown.append(key)
+        elif isinstance(value, dict) and is_dataclass(hints[key]):
+            unknown += [f"{key}.{sub}" for sub in unknown_settings(value, hints[key])]
+    return sorted(unknown)
+
+
+def as_settings(node, schema: type, group: str):
+    """A composed group (or a plain mapping) as a `schema` instance; keys it does not know (a retired option, a
+    typo) are refused by name."""
+    from omegaconf import OmegaConf
+
+    composed = OmegaConf.is_config(node)
+    values = OmegaConf.to_container(node, resolve=False) if composed else dict(node)
+    unknown = unknown_settings(values, schema)
+    if unknown:
+        raise ValueError(f"unknown {group} settings {unknown} ({group}.* in conf/ or on the command line)")
+    return OmegaConf.to_object(node) if composed else schema(**values)

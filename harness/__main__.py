@@ -15,14 +15,14 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import hydra
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from flashdraft.config import EvalConfig, register_configs
+from flashdraft.config import EvalConfig, as_settings, register_configs
 from flashdraft.store import StoreReader, is_store
 from flashdraft.target import (
     exact_gemm_rows,
@@ -48,15 +48,8 @@ from harness.training_log import read_metrics, train_serve_parity
 
 
 def eval_config(node) -> EvalConfig:
-    """The eval group as an EvalConfig (composed by Hydra, it was checked against the schema already); a plain
-    mapping is checked here, refusing keys EvalConfig does not know (a retired option, a typo)."""
-    values = OmegaConf.to_object(node) if OmegaConf.is_config(node) else dict(node)
-    if isinstance(values, EvalConfig):
-        return values
-    unknown = sorted(set(values) - {f.name for f in fields(EvalConfig)})
-    if unknown:
-        raise ValueError(f"unknown eval settings {unknown} (conf/eval/*.yaml or eval.* overrides)")
-    return EvalConfig(**values)
+    """The eval group (composed, or a plain mapping) as an EvalConfig; unknown keys are refused by name."""
+    return as_settings(node, EvalConfig, "eval")
 
 
 def resolve_device(name: str) -> torch.device:

@@ -16,7 +16,7 @@ for _k, _v in (("RAY_AUTH_MODE", "disabled"), ("HF_HUB_ETAG_TIMEOUT", "10"), ("H
 import hydra  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from flashdraft.config import register_configs  # noqa: E402
+from flashdraft.config import ClusterConfig, DataConfig, ModelConfig, as_settings, register_configs  # noqa: E402
 from flashdraft.prompts import PromptSourceUnavailable  # noqa: E402
 from flashdraft.spec import capture_layer_ids, check_layer_ids, default_layer_ids  # noqa: E402
 from flashdraft.store import StoreError, verify_store  # noqa: E402
@@ -140,6 +140,8 @@ def _hydra(command):
     @hydra.main(config_path="../conf", config_name="config", version_base=None)
     def entry(cfg: DictConfig) -> None:
         try:
+            for group, schema in (("model", ModelConfig), ("data", DataConfig), ("cluster", ClusterConfig)):
+                as_settings(cfg[group], schema, group)  # refuses unknown keys by name
             code = command(cfg)
         except (PromptSourceUnavailable, StoreError, FileNotFoundError, ValueError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)

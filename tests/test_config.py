@@ -9,7 +9,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
-from flashdraft.config import Config, DataConfig, DrafterConfig, register_configs
+from flashdraft.config import Config, DataConfig, DrafterConfig, TrainConfig, as_settings, register_configs
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -60,3 +60,13 @@ def test_unknown_keys_and_wrong_types_are_refused_by_name():
     assert isinstance(error.value.__cause__, ValidationError)
     with pytest.raises(ConfigCompositionException, match="anchor_follow"):  # a retired option is gone, not ignored
         composed("train.anchor_follow=0.5")
+
+
+def test_keys_added_with_plus_are_refused_when_a_stage_reads_its_group():
+    cfg = composed("+train.anchor_follow=0.5", "+train.wandb.projekt=x")  # Hydra adds them to the structured node
+    with pytest.raises(ValueError, match=r"unknown train settings \['anchor_follow', 'wandb.projekt'\]"):
+        as_settings(cfg.train, TrainConfig, "train")
+    settings = as_settings(composed("train.lr=1e-3").train, TrainConfig, "train")
+    assert (
+        isinstance(settings, TrainConfig) and settings.lr == 1e-3 and settings.stores == ["runs/smollm2-135m/features"]
+    )

@@ -6,15 +6,15 @@ import os
 import re
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from flashdraft.config import TrainConfig, register_configs
+from flashdraft.config import DrafterConfig, TrainConfig, as_settings, register_configs
 from trainer.train import train
 
 
 def train_config(cfg: DictConfig, sweep_subdir: str | None = None) -> TrainConfig:
     """The train node as a TrainConfig; a sweep's job trains into its own directory."""
-    tc = OmegaConf.to_object(cfg.train)
+    tc = as_settings(cfg.train, TrainConfig, "train")
     if sweep_subdir:
         tc.out_dir = os.path.join(tc.out_dir, sweep_subdir)
         tc.drafter_dir = os.path.join(tc.out_dir, "drafter")
@@ -33,7 +33,7 @@ def main(cfg: DictConfig) -> None:
     subdir = None
     if hc.mode == RunMode.MULTIRUN:
         subdir = re.sub(r"[^A-Za-z0-9_.=,-]+", "_", hc.job.override_dirname) or str(hc.job.num)
-    train(train_config(cfg, subdir), OmegaConf.to_object(cfg.drafter))
+    train(train_config(cfg, subdir), as_settings(cfg.drafter, DrafterConfig, "drafter"))
 
 
 if __name__ == "__main__":
