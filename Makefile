@@ -12,20 +12,54 @@ ARGS ?=
 
 setup: .venv/.installed
 
+# CLUSTER=slurm submits `make features` and `make train` with sbatch (jobs/*.sbatch; log in logs/<job name>-<id>.out)
+# on NODES nodes with GPUS_PER_NODE GPUs each, PARTITION and TIME if given, after job AFTER succeeds if given, with
+# other sbatch options in SBATCH_ARGS (e.g. --cpus-per-task=32 --account=me). CLUSTER=ray submits the capture to
+# the Ray cluster at RAY_ADDRESS (jobs/ray_submit.sh). docs/cluster.md.
+CLUSTER ?= local
+NODES ?= 2
+GPUS_PER_NODE ?= 8
+SBATCH_OPTS = --parsable --nodes=$(NODES) --gpus-per-node=$(GPUS_PER_NODE) $(if $(PARTITION),--partition=$(PARTITION)) \
+	$(if $(TIME),--time=$(TIME)) $(if $(AFTER),--dependency=afterok:$(AFTER)) $(SBATCH_ARGS)
+ifeq ($(filter $(CLUSTER),local slurm ray),)
+$(error CLUSTER=$(CLUSTER): use local, slurm or ray)
+endif
+
+# $(call sbatch,JOB,ARGS): submit jobs/slurm_JOB.sbatch with Hydra overrides ARGS; print the job id and its log.
+define sbatch
+	@mkdir -p logs
+	@out=$$(GPUS_PER_NODE=$(GPUS_PER_NODE) sbatch $(SBATCH_OPTS) jobs/slurm_$(1).sbatch $(2)) && id=$${out%%;*} && \
+		echo "submitted $(1) job $$id: log logs/flashdraft-$(1)-$$id.out; chain with AFTER=$$id"
+endef
+
 # PROFILE=quick|full picks conf/profile/<name>.yaml: its data, train and eval groups, the drafter's block size and
 # runs/<profile>-<model>; the held-out store it captures is the eval prompts' (the trainer's eval/* and the parity line).
 ifdef PROFILE
 PROFILE_ARG = profile=$(PROFILE)
 endif
 
+HELDOUT_ARGS = data=heldout 'features_dir=$${run_dir}/features-heldout'
+
 features: setup
+ifeq ($(CLUSTER),slurm)
+	$(call sbatch,capture,model=$(MODEL) $(PROFILE_ARG) $(ARGS))
+	$(if $(PROFILE),$(call sbatch,capture,model=$(MODEL) $(PROFILE_ARG) $(HELDOUT_ARGS) $(ARGS)))
+else ifeq ($(CLUSTER),ray)
+	bash jobs/ray_submit.sh model=$(MODEL) $(PROFILE_ARG) $(ARGS)
+	$(if $(PROFILE),bash jobs/ray_submit.sh model=$(MODEL) $(PROFILE_ARG) $(HELDOUT_ARGS) $(ARGS))
+else
 	$(PY) -m pipeline model=$(MODEL) $(PROFILE_ARG) $(ARGS)
-ifdef PROFILE
-	$(PY) -m pipeline model=$(MODEL) $(PROFILE_ARG) data=heldout 'features_dir=$${run_dir}/features-heldout' $(ARGS)
+	$(if $(PROFILE),$(PY) -m pipeline model=$(MODEL) $(PROFILE_ARG) $(HELDOUT_ARGS) $(ARGS))
 endif
 
 train: setup
+ifeq ($(CLUSTER),slurm)
+	$(call sbatch,train,model=$(MODEL) $(PROFILE_ARG) $(ARGS))
+else ifeq ($(CLUSTER),ray)
+	$(error make train runs here or on Slurm (CLUSTER=slurm); a Ray cluster runs the capture only)
+else
 	$(PY) -m trainer model=$(MODEL) $(PROFILE_ARG) $(ARGS)
+endif
 
 eval: setup
 	$(PY) -m harness model=$(MODEL) $(PROFILE_ARG) $(ARGS)
