@@ -3,12 +3,15 @@
 python -m pipeline model=smollm2-135m data.limit=8          # capture (resumes if rerun)
 python -m pipeline estimate data=nemotron model=qwen3-8b     # bytes on disk before capture
 python -m pipeline verify runs/smollm2-135m/features        # check a store; exit 1 on a problem
+python -m pipeline paths run_dir=/shared/runs/qwen3-8b       # where a cluster job writes; exit 1 if relative
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+from pathlib import Path
 
 for _k, _v in (("RAY_AUTH_MODE", "disabled"), ("HF_HUB_ETAG_TIMEOUT", "10"), ("HF_HUB_DOWNLOAD_TIMEOUT", "10")):
     os.environ.setdefault(_k, _v)
@@ -78,15 +81,46 @@ def records_from(cfg: DictConfig):
     return load_records(list(d.sources), split=d.split, limit=limit, heldout_fraction=float(d.heldout_fraction))
 
 
+OUTPUTS = ("features_dir", "run_dir")  # the store, and where Hydra logs the run
+SHARED_PATHS = (
+    "a Ray job runs in a copy of the working tree uploaded to the cluster, so each node would write into its own "
+    "copy and actors on other nodes would not find the store; give absolute paths on a filesystem every node sees, "
+    "e.g. run_dir=/shared/runs/{model} (features_dir defaults to its features/) or features_dir=/shared/..."
+)
+
+
+def refuse_relative_outputs(cfg: DictConfig) -> None:
+    relative = [f"{k}={cfg[k]}" for k in OUTPUTS if not os.path.isabs(str(cfg[k]))]
+    if relative:
+        verb = "is" if len(relative) == 1 else "are"
+        raise ValueError(f"{', '.join(relative)} {verb} relative: " + SHARED_PATHS.format(model=cfg.model.name))
+
+
+def in_uploaded_copy() -> bool:
+    """Whether this process is a Ray job whose working dir Ray uploaded (`ray job submit --working-dir`): its cwd is
+    a copy of the tree on one node, gone when the job ends."""
+    job = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}")
+    return bool((job.get("runtime_env") or {}).get("working_dir"))
+
+
+def store_path(cfg: DictConfig) -> str:
+    """`features_dir` as every worker reads it: absolute (Ray workers start in their node's own directory, not in
+    this process's), and refused where relative in an uploaded copy (`in_uploaded_copy`)."""
+    if in_uploaded_copy():
+        refuse_relative_outputs(cfg)
+    return os.path.abspath(cfg.features_dir)
+
+
 def capture_command(cfg: DictConfig) -> int:
+    features_dir = store_path(cfg)
     settings = settings_from(cfg)
     records, rejects = records_from(cfg)
     print(
         f"{len(records)} prompts ({cfg.data.split} split) from {list(cfg.data.sources)}, "
         f"{len(rejects)} rejected on load"
     )
-    writer = open_store(cfg.features_dir, settings, sources=list(cfg.data.sources), store_options=dict(cfg.data.store))
-    summary = run_fleet(cfg.features_dir, records, settings, writer, fleet_from(cfg), load_rejects=rejects)
+    writer = open_store(features_dir, settings, sources=list(cfg.data.sources), store_options=dict(cfg.data.store))
+    summary = run_fleet(features_dir, records, settings, writer, fleet_from(cfg), load_rejects=rejects)
     print("\n".join(summary.lines()))
     return 1 if summary.failed else 0
 
@@ -134,6 +168,25 @@ def verify_command(argv: list[str]) -> int:
     return 0
 
 
+def paths_command(overrides: list[str]) -> int:
+    """Print the output paths the overrides give; exit 1 naming any relative one (or a bad override).
+    `jobs/ray_submit.sh` asks before it submits. The config is composed without a Hydra run: nothing is written."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    register_configs()
+    try:
+        with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base=None):
+            cfg = compose(config_name="config", overrides=overrides)
+        print("\n".join(f"{k}={cfg[k]}" for k in OUTPUTS))
+        refuse_relative_outputs(cfg)
+    except (HydraException, OmegaConfBaseException, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _hydra(command):
     register_configs()
 
@@ -156,6 +209,8 @@ def main() -> None:
     argv = sys.argv[1:]
     if argv and argv[0] == "verify":
         sys.exit(verify_command(argv[1:]))
+    if argv and argv[0] == "paths":
+        sys.exit(paths_command(argv[1:]))
     command = capture_command
     if argv and argv[0] in ("estimate", "capture"):
         command = estimate_command if argv[0] == "estimate" else capture_command

@@ -103,11 +103,17 @@ def test_batch_script_run_from_a_copy_finds_the_checkout(script, tmp_path):
 
 def test_ray_submit_needs_address_and_passes_overrides():
     lines = dry_run(
-        "ray_submit.sh", "model=qwen3-4b", RAY_ADDRESS="http://head:8265", SLURM_JOB_NODELIST="me", NUM_ACTORS="16"
+        "ray_submit.sh",
+        "model=qwen3-4b",
+        "run_dir=/shared/runs/qwen3-4b",
+        RAY_ADDRESS="http://head:8265",
+        SLURM_JOB_NODELIST="me",
+        NUM_ACTORS="16",
     )
     assert len(lines) == 1 and "job submit --address=http://head:8265" in lines[0]
     assert lines[0].endswith(
-        "python -m pipeline cluster=ray cluster.ray_address=auto cluster.num_actors=16 model=qwen3-4b"
+        "python -m pipeline cluster=ray cluster.ray_address=auto cluster.num_actors=16 model=qwen3-4b "
+        "run_dir=/shared/runs/qwen3-4b"
     )
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     failed = subprocess.run(

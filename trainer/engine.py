@@ -34,6 +34,22 @@ def setup_distributed_env() -> tuple[int, int, int]:
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
 
 
+def backend_for(device: torch.device, gpu_backend: str = "nccl") -> str:
+    """The process group's backend for a run on `device`: gloo on a CPU; on a GPU, `gpu_backend` (nccl) for CUDA
+    tensors and gloo for CPU ones. nccl alone serves CUDA tensors only, and the loop sums CPU tensors over the ranks
+    (the NaN check, `Tally.all_sum`, the eval sums): with it alone they stop at the first micro-batch with
+    `No backend type associated with device type cpu`. (torch's own default on a GPU machine is the same pair.)"""
+    return f"cpu:gloo,cuda:{gpu_backend}" if device.type == "cuda" else "gloo"
+
+
+def init_distributed(device: torch.device, gpu_backend: str = "nccl") -> None:
+    """The process group, serving collectives on both devices (`backend_for`); DeepSpeed's `init_distributed` hands
+    the backend string to torch's `init_process_group`."""
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend=backend_for(device, gpu_backend))
+
+
 def is_rank_zero() -> bool:
     import torch.distributed as dist
 

@@ -29,6 +29,7 @@ from trainer.engine import (
     build_engine,
     dtype_name,
     gathered_state_dict,
+    init_distributed,
     is_rank_zero,
     setup_distributed_env,
     training_dtype,
@@ -106,9 +107,7 @@ def train(cfg: TrainConfig, drafter: DrafterConfig) -> dict:
     spec = drafter_spec(cfg, drafter, target_config)
     data = training_data(cfg, spec, cfg.stores, heldout_fraction=cfg.heldout_fraction, teacher=cfg.soft_labels > 0)
     plans, total_steps = plan_epochs(data, cfg, proc)
-    import deepspeed
-
-    deepspeed.init_distributed(dist_backend="nccl" if proc.cuda else "gloo")
+    init_distributed(proc.device)
     ckpt_root = Path(cfg.out_dir) / "checkpoints"
     tag = latest_tag(ckpt_root) if cfg.resume else None
     proc.dtype = training_dtype(cfg.dtype, proc.device, resumed=saved_dtype(ckpt_root, tag) if tag else None)
