@@ -71,7 +71,7 @@ class StoreConfig:
     codec: str = "blosc-zstd"  # blosc-zstd | blosc-lz4 | zstd | none
     clevel: int = 3
     chunk_tokens: int = 64  # inner chunk rows: the unit of a random read
-    shard_tokens: int = 4096  # rows per chunk file: the unit of a write
+    shard_tokens: int = 4096  # rows buffered per write (each array of a shard is one file, whatever its rows)
     teacher_topk: int = 0  # > 0: also keep the target's k most likely next tokens per token (train.soft_labels)
 
 

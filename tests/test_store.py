@@ -19,7 +19,9 @@ from flashdraft.store import (
     verify_store,
     write_store,
 )
-from flashdraft.store.files import MANIFEST, SHARDS
+from flashdraft.store.convert import main as convert_main
+from flashdraft.store.files import MANIFEST, SHARDS, files_per_shard
+from flashdraft.store.format import decode_index, index_nbytes
 
 LAYERS, H = [1, 4, 7], 32
 
@@ -95,7 +97,97 @@ def test_plain_zarr_reads_the_layout(tmp_path):
     bits = g["layer_04"][a:b]
     x = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).float()
     assert torch.equal(x, seqs[2]["features"][:, H : 2 * H].to(torch.bfloat16).float())
-    assert g["layer_04"].shards == (64, H) and g["layer_04"].chunks == (16, H)
+    assert g["layer_04"].shards == (480, H) and g["layer_04"].chunks == (16, H)  # one shard over all 476 rows
+    assert np.array_equal(
+        zarr.open_array(str(tmp_path / "s" / SHARDS / "shard-00000" / "input_ids"))[a:b], seqs[2]["input_ids"]
+    )
+
+
+@pytest.mark.parametrize("dtype,topk", [("bfloat16", 0), ("float8_e4m3", 4)])
+def test_one_file_per_array_per_shard(tmp_path, dtype, topk):
+    """Format 2: a shard is the group's zarr.json plus, per array, its zarr.json and ONE data file, however many
+    rows (here 476 rows, 30 inner chunks, 8 write blocks of shard_tokens)."""
+    seqs = make_sequences()
+    if topk:
+        for s in seqs:
+            n = len(s["input_ids"])
+            s["teacher"] = (torch.randint(0, 50_000, (n, topk)), -torch.rand(n, topk))
+    r = write_store(tmp_path / "s", seqs, **{**small(dtype), "teacher_topk": topk})
+    shard = tmp_path / "s" / SHARDS / "shard-00000"
+    files = [f for _, _, fs in os.walk(shard) for f in fs]
+    n_arrays = len(r.layout.array_keys())  # 5 (bf16) or 10 (fp8 scales, teacher top-k)
+    assert len(files) == 1 + 2 * n_arrays == files_per_shard(len(LAYERS), dtype, topk)
+    assert files_per_shard(3) == 11 and files_per_shard(5) == 15  # 5 bf16 layers: 7 arrays, 7 data files
+    assert sum(len(ds) for _, ds, _ in os.walk(shard)) == n_arrays  # one folder per array, no chunk folders
+    for i, s in enumerate(seqs):
+        got = r.read(i, teacher=bool(topk))
+        assert np.array_equal(got.input_ids, s["input_ids"]) and np.array_equal(got.loss_mask, s["loss_mask"])
+        if dtype == "bfloat16":
+            assert torch.equal(got.features, s["features"].to(torch.bfloat16).float())
+        if topk:
+            assert np.array_equal(got.teacher_ids, s["teacher"][0].numpy())
+    assert verify_store(tmp_path / "s", progress=False)[0] == []
+
+
+def as_format_1(store):
+    """Rewrite a store in format 1: each array a zarr shard file per shard_tokens rows (chunk folders c/<i>/0)."""
+    m = json.loads((store / MANIFEST).read_text())
+    for e in m["shards"]:
+        g = zarr.open_group(str(store / SHARDS / e["name"]), mode="r+")
+        for key in list(g.array_keys()):
+            data, old = g[key][:], g[key]
+            new = g.create_array(
+                key,
+                shape=data.shape,
+                dtype=data.dtype,
+                chunks=(16, *data.shape[1:]),
+                shards=(64, *data.shape[1:]),
+                compressors=old.compressors[:1],
+                fill_value=0,
+                overwrite=True,
+            )
+            new[:] = data
+        g.attrs["format_version"] = 1
+    (store / MANIFEST).write_text(json.dumps({**m, "format_version": 1}))
+
+
+def test_converts_a_format_1_store(tmp_path):
+    seqs = make_sequences() + make_sequences(seed=1)
+    w = StoreWriter(tmp_path / "old", **small("float8_e4m3"), manifest_extra={"target": {"name": "tiny"}})
+    for k in range(2):
+        with w.shard(f"shard-{k:05d}") as sh:
+            for s in seqs[5 * k : 5 * k + 5]:
+                sh.append(**s)
+            sh.reject("bad-1", "too long")
+        w.register(sh.info())
+    want = [StoreReader(tmp_path / "old").read(i) for i in range(10)]
+    as_format_1(tmp_path / "old")
+    assert os.path.isfile(tmp_path / "old" / SHARDS / "shard-00000" / "layer_04" / "c" / "7" / "0")
+    with pytest.raises(StoreError, match="format 1"):
+        StoreReader(tmp_path / "old")
+    assert convert_main([str(tmp_path / "old"), str(tmp_path / "new")]) == 0
+    r = StoreReader(tmp_path / "new")
+    assert r.seq_ids == [s["seq_id"] for s in seqs] and r.manifest["target"] == {"name": "tiny"}
+    assert r.manifest["counts"]["tokens"] == 952 and r.manifest["converted_from"]["format_version"] == 1
+    assert [x["seq_id"] for x in r.manifest["shards"][1]["rejects"]] == ["bad-1"]
+    for i, x in enumerate(want):
+        got = r.read(i)
+        assert torch.equal(got.features, x.features) and np.array_equal(got.input_ids, x.input_ids)
+    assert verify_store(tmp_path / "new", progress=False)[0] == []
+    files = [f for _, _, fs in os.walk(tmp_path / "new" / SHARDS / "shard-00001") for f in fs]
+    assert len(files) == files_per_shard(3, "float8_e4m3") == 17
+
+
+def test_refuses_a_format_1_store(tmp_path):
+    write_store(tmp_path / "s", make_sequences(), **small())
+    m = json.loads((tmp_path / "s" / MANIFEST).read_text())
+    (tmp_path / "s" / MANIFEST).write_text(json.dumps({**m, "format_version": 1}))
+    msg = rf"{tmp_path / 's'} is a feature store of format 1 \(one file per array per shard_tokens rows\); .*Recapture"
+    for open_it in (StoreReader, lambda p: StoreWriter(p, **small())):
+        with pytest.raises(StoreError, match=msg):
+            open_it(tmp_path / "s")
+    problems, _ = verify_store(tmp_path / "s", progress=False)
+    assert len(problems) == 1 and "format 1" in problems[0] and "python -m flashdraft.store.convert" in problems[0]
 
 
 def test_bad_inputs_are_named(tmp_path):
@@ -167,14 +259,30 @@ def test_crashed_shard_is_ignored_and_redone(tmp_path):
 def test_verify_catches_damage(tmp_path):
     write_store(tmp_path / "s", make_sequences(), **small())
     shard = tmp_path / "s" / SHARDS / "shard-00000"
-    chunk = shard / "layer_04" / "c" / "3" / "0"
-    with open(chunk, "r+b") as f:
-        f.truncate(os.path.getsize(chunk) // 2)
+    data = shard / "layer_04" / "0.0"
+    g = zarr.open_array(str(shard / "layer_04"), mode="r")
+    index = decode_index(data.read_bytes()[-index_nbytes(30) :], 30)  # 476 rows: 30 inner chunks of 16
+    with open(data, "r+b") as f:  # flip a byte inside inner chunk 3 (rows 48..64): its crc32c no longer matches
+        f.seek(int(index[3, 0]) + 40)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
     problems, _ = verify_store(tmp_path / "s", progress=False)
-    assert any("layer_04/c/3 is unreadable" in p for p in problems), problems
-    os.remove(shard / "layer_07" / "c" / "1" / "0")
+    assert (
+        len(problems) == 1 and "shard shard-00000: array layer_04: chunk 3 (rows 48..64) is unreadable" in problems[0]
+    )
+    with pytest.raises(ValueError, match="checksum"):  # plain zarr refuses it too
+        g[48:64]
+    assert np.asarray(g[:48]).shape == (48, H)  # the other chunks still read
+    size = os.path.getsize(shard / "layer_07" / "0.0")
+    with open(shard / "layer_07" / "0.0", "r+b") as f:  # damage the shard index at the file's end
+        f.seek(size - 10)
+        f.write(b"\x00\x01")
     problems, _ = verify_store(tmp_path / "s", progress=False)
-    assert any("layer_07/c/1/0 is missing" in p for p in problems), problems
+    assert any("array layer_07: data file " in p and "index checksum mismatch" in p for p in problems), problems
+    os.remove(shard / "layer_01" / "0.0")
+    problems, _ = verify_store(tmp_path / "s", progress=False)
+    assert any("array layer_01: data file shards/shard-00000/layer_01/0.0 is missing" in p for p in problems)
 
     write_store(tmp_path / "m", make_sequences(), **small())
     m = json.loads((tmp_path / "m" / MANIFEST).read_text())

@@ -3,6 +3,8 @@
     manifest.json                 provenance, format, counts, and the list of COMMITTED shards
     rejects.jsonl                 prompts the pipeline refused, one {"source","record_id","reason"} a line
     shards/shard-00000/           one Zarr v3 group per fleet task; attributes: seq_ids, offsets, counts
+                                  every array below is a folder of two files: zarr.json and ONE data file, a zarr
+                                  shard over all T rows (`0` for 1-D arrays, `0.0` for 2-D: `array_file`)
         input_ids   int32 [T]         all sequences' tokens, flat; sequence j is offsets[j]:offsets[j+1]
         loss_mask   bool  [T]         True on response tokens (generated, EOS included)
         layer_<i>   [T, H]            output of target decoder layer i (hidden_states[i+1]) per token (`format`)
@@ -10,7 +12,7 @@
         teacher_ids int32 [T, k]      optional (layout teacher_topk = k > 0): row j holds the target's k most
         teacher_logp float16 [T, k]   likely next tokens after token j and their log-probabilities (soft labels
                                       for token j+1); -inf where not captured (prompt tokens before the last)
-    shards/.tmp-<name>-<uid>/     a shard being written; renamed to its name once complete
+    shards/.tmp-<name>-<uid>/     a shard being written (data streams into <key>.part); renamed once complete
     .lock                         serialises manifest updates
 
 Each shard is readable with plain `zarr.open_group(store/"shards"/name)`.
@@ -26,7 +28,7 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
-from flashdraft.store.format import FORMAT_VERSION, StoreError
+from flashdraft.store.format import FORMAT_NOTES, FORMAT_VERSION, StoreError, StoreLayout
 
 MANIFEST = "manifest.json"
 REJECTS = "rejects.jsonl"
@@ -34,6 +36,7 @@ SHARDS = "shards"
 TMP_PREFIX = ".tmp-"
 LOCK = ".lock"
 SHARD_PREFIX = "shard-"
+PART_SUFFIX = ".part"
 _MANIFEST_KEYS = ("format_version", "layer_ids", "hidden_size", "dtype", "shards")
 
 
@@ -72,6 +75,24 @@ def temp_shard_dir(store_path: str | Path, name: str) -> Path:
     return shards_dir(store_path) / f"{TMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
 
 
+def array_file(shard: Path, key: str, ndim: int) -> Path:
+    """The one data file of array `key` of a shard folder: the array's only zarr shard (chunk key encoding v2,
+    separator ".", so no chunk folders)."""
+    return shard / key / ".".join(["0"] * ndim)
+
+
+def part_file(shard: Path, key: str) -> Path:
+    """Where a shard writer streams array `key`'s data file before commit moves it to `array_file`."""
+    return shard / f"{key}{PART_SUFFIX}"
+
+
+def files_per_shard(num_layers: int, dtype: str = "bfloat16", teacher_topk: int = 0) -> int:
+    """Files one committed shard holds in this format: the group's zarr.json, and per array its zarr.json and its
+    one data file (folders not counted: one per array). 5 bf16 layers: 7 arrays, 15 files."""
+    layout = StoreLayout(tuple(range(num_layers)), 1, dtype, teacher_topk=teacher_topk)
+    return 1 + 2 * len(layout.array_keys())
+
+
 def is_temp(shard: Path) -> bool:
     return shard.name.startswith(TMP_PREFIX)
 
@@ -86,7 +107,8 @@ def is_store(path: str | Path) -> bool:
     return (Path(path) / MANIFEST).is_file()
 
 
-def read_manifest(path: str | Path) -> dict:
+def read_manifest(path: str | Path, *, any_format: bool = False) -> dict:
+    """The store's manifest; a store of another format version is refused unless `any_format` (a converter)."""
     path = Path(path)
     mpath = path / MANIFEST
     if not path.is_dir():
@@ -102,9 +124,24 @@ def read_manifest(path: str | Path) -> dict:
     missing = [k for k in _MANIFEST_KEYS if k not in manifest]
     if missing:
         raise StoreError(f"{mpath} is corrupt: missing keys {missing}")
-    if manifest["format_version"] != FORMAT_VERSION:
-        raise StoreError(f"{mpath}: format_version {manifest['format_version']} is not {FORMAT_VERSION}")
+    if not any_format:
+        _check_format(path, manifest["format_version"])
     return manifest
+
+
+def _check_format(path: Path, version) -> None:
+    """Refuse a store of another format version, saying what to do."""
+    if version == FORMAT_VERSION:
+        return
+    what = FORMAT_NOTES.get(version, "unknown to this flashdraft")
+    ours = f"format {FORMAT_VERSION} ({FORMAT_NOTES[FORMAT_VERSION]})"
+    if isinstance(version, int) and version < FORMAT_VERSION:
+        raise StoreError(
+            f"{path} is a feature store of format {version} ({what}); this flashdraft reads only {ours}. "
+            f"Recapture it into a new directory (make features / python -m pipeline with a new store path), or "
+            f"convert it: python -m flashdraft.store.convert {path} <new store>"
+        )
+    raise StoreError(f"{path} is a feature store of format {version} ({what}); this flashdraft reads only {ours}")
 
 
 def write_manifest(path: str | Path, manifest: dict) -> None:

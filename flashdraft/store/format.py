@@ -2,9 +2,13 @@
 how features are encoded to their stored dtype and back.
 
 Layer i's features are `layer_<i>` [T, H]: uint16 holding bfloat16 bits | float16 | uint8 holding float8_e4m3fn
-bits (with a float32 per-token scale, `layer_<i>_scale` [T]: value = fp8 * scale) | float32. Feature arrays are
-sharded along tokens (`shard_tokens` rows per file) with small inner chunks (`chunk_tokens` rows), so that a random
-sequence costs a few small reads.
+bits (with a float32 per-token scale, `layer_<i>_scale` [T]: value = fp8 * scale) | float32.
+
+Format 2: every array of a shard is ONE file, a Zarr v3 shard (sharding codec) covering all the shard's rows, made
+of inner chunks of `chunk_tokens` rows (the unit of a random read), each compressed (`codec`) and checksummed
+(crc32c), followed by the shard index (offset and length of every inner chunk, crc32c too). The writer streams the
+inner chunks to the file as rows arrive (`encode_chunk`) and appends the index at commit (`encode_index`); plain
+zarr reads the result. Format 1 (one file per array per `shard_tokens` rows) is refused by `files.read_manifest`.
 """
 
 from __future__ import annotations
@@ -14,7 +18,11 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+FORMAT_NOTES = {  # what each format version laid out, for the error that refuses an old store
+    1: "one file per array per shard_tokens rows",
+    2: "one file per array per shard",
+}
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 # real dtype -> (zarr dtype holding it, bytes per element)
@@ -49,7 +57,7 @@ class StoreLayout:
     codec: str = "blosc-zstd"
     clevel: int = 3
     chunk_tokens: int = 64  # inner chunk: the unit of a random read
-    shard_tokens: int = 4096  # outer chunk: one file per array per shard_tokens rows; the write unit
+    shard_tokens: int = 4096  # the write unit: rows buffered before their inner chunks are encoded and written
     teacher_topk: int = 0  # > 0: the target's top-k next-token log-probs per token (teacher_ids/teacher_logp)
 
     def __post_init__(self):
@@ -90,15 +98,68 @@ class StoreLayout:
             keys += ["teacher_ids", "teacher_logp"]
         return keys
 
-    def compressors(self, typesize: int):
-        from zarr.codecs import BloscCodec, ZstdCodec
+    def array_specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """Every array of a shard: key -> (zarr dtype, shape of one row)."""
+        H, k = self.hidden_size, self.teacher_topk
+        specs = {"input_ids": ("int32", ()), "loss_mask": ("bool", ())}
+        for i in self.layer_ids:
+            specs[layer_key(i)] = (DTYPES[self.dtype][0], (H,))
+        if self.dtype == "float8_e4m3":
+            specs.update({layer_key(i) + "_scale": ("float32", ()) for i in self.layer_ids})
+        if k:
+            specs.update({"teacher_ids": ("int32", (k,)), "teacher_logp": ("float16", (k,))})
+        return specs
+
+    def compressors(self, typesize: int) -> list:
+        """The inner chunks' bytes-to-bytes codecs in zarr's terms: the compressor, then a crc32c checksum."""
+        from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
         if self.codec == "none":
-            return None
+            return [Crc32cCodec()]
         if self.codec == "zstd":
-            return ZstdCodec(level=self.clevel)
+            return [ZstdCodec(level=self.clevel), Crc32cCodec()]
         cname = self.codec.split("-", 1)[1]
-        return BloscCodec(cname=cname, clevel=self.clevel, shuffle="shuffle", typesize=typesize)
+        return [BloscCodec(cname=cname, clevel=self.clevel, shuffle="shuffle", typesize=typesize), Crc32cCodec()]
+
+    def encode_chunk(self, block: np.ndarray) -> bytes:
+        """One inner chunk (exactly `chunk_tokens` rows) as its bytes in a shard file: what `compressors` decode."""
+        import numcodecs
+
+        block = np.ascontiguousarray(block, dtype=block.dtype.newbyteorder("<"))
+        if self.codec == "none":
+            data = block.tobytes()
+        elif self.codec == "zstd":
+            data = numcodecs.Zstd(level=self.clevel).encode(block.tobytes())
+        else:
+            cname = self.codec.split("-", 1)[1]
+            data = numcodecs.Blosc(cname=cname, clevel=self.clevel, shuffle=numcodecs.Blosc.SHUFFLE).encode(block)
+        return with_crc32c(bytes(data))
+
+
+def with_crc32c(data: bytes) -> bytes:
+    """`data` followed by its crc32c, little-endian: zarr's crc32c codec."""
+    import google_crc32c
+
+    return data + np.uint32(google_crc32c.value(data)).astype("<u4").tobytes()
+
+
+def encode_index(entries: np.ndarray) -> bytes:
+    """A shard index: (offset, nbytes) uint64 per inner chunk, little-endian, then its crc32c (zarr's default)."""
+    return with_crc32c(np.ascontiguousarray(entries, dtype="<u8").tobytes())
+
+
+def index_nbytes(n_chunks: int) -> int:
+    return 16 * n_chunks + 4
+
+
+def decode_index(tail: bytes, n_chunks: int) -> np.ndarray:
+    """The [n_chunks, 2] (offset, nbytes) entries of a shard index (the file's last `index_nbytes` bytes)."""
+    import google_crc32c
+
+    body, crc = tail[:-4], tail[-4:]
+    if len(tail) != index_nbytes(n_chunks) or np.uint32(google_crc32c.value(body)).astype("<u4").tobytes() != crc:
+        raise StoreError("shard index checksum mismatch")
+    return np.frombuffer(body, dtype="<u8").reshape(n_chunks, 2)
 
 
 def encode_layer(x: torch.Tensor, dtype: str) -> tuple[np.ndarray, np.ndarray | None]:

@@ -1,22 +1,22 @@
-"""Checking a store end to end: manifest vs shards, every chunk file present and readable, features finite."""
+"""Checking a store end to end: manifest vs shards, every array's data file present with a sound index, every
+inner chunk readable (crc32c, decompression) and features finite."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from flashdraft.store.files import read_manifest, read_shard_attrs, shard_dir, shards_bytes
-from flashdraft.store.format import StoreError, StoreLayout, decode_layer
+from flashdraft.store.files import array_file, read_manifest, read_shard_attrs, shard_dir, shards_bytes
+from flashdraft.store.format import StoreError, StoreLayout, decode_index, decode_layer, index_nbytes
 
 
 def verify_store(path: str | Path, *, progress: bool = True) -> tuple[list[str], dict]:
     """Check a store end to end. Returns (problems, stats); no problems means the store is sound.
 
-    Manifest vs shards (listed shards exist, are complete and agree on counts), every chunk file
-    present and readable, offsets monotonic, features finite, sequence ids unique.
+    Manifest vs shards (listed shards exist, are complete and agree on counts), every data file present with
+    an intact index, every inner chunk readable, offsets monotonic, features finite, sequence ids unique.
     """
     from tqdm import tqdm
 
@@ -73,7 +73,8 @@ def _check_shard(path: Path, entry: dict, layout: StoreLayout, seen: dict, probl
 
 
 def _check_array(path: Path, d: Path, key: str, T: int, layout: StoreLayout, problems: list) -> None:
-    """Every chunk file of the array `key` of shard folder `d` is there, readable and finite."""
+    """The one data file of array `key` of shard folder `d` is there, its index sound, and every inner chunk
+    readable (checksum, decompression) and finite; a problem names the shard, the array and the chunk's rows."""
     import zarr
 
     name = d.name
@@ -85,23 +86,58 @@ def _check_array(path: Path, d: Path, key: str, T: int, layout: StoreLayout, pro
     if arr.shape[0] != T:
         problems.append(f"shard {name}: array {key} has {arr.shape[0]} rows, offsets say {T}")
         return
-    outer = (arr.shards or arr.chunks)[0]
-    for c in range(math.ceil(T / outer)):
-        chunk_file = d / key / "c" / str(c) / "0" if arr.ndim == 2 else d / key / "c" / str(c)
-        if not chunk_file.is_file():
-            problems.append(f"shard {name}: chunk file {chunk_file.relative_to(path)} is missing")
-            continue
+    if T == 0:
+        return
+    where = f"shard {name}: array {key}"
+    if not _check_index(array_file(d, key, arr.ndim), -(-T // arr.chunks[0]), arr.chunks[0], path, where, problems):
+        return
+    step = layout.shard_tokens - layout.shard_tokens % arr.chunks[0] or arr.chunks[0]
+    for a in range(0, T, step):
         try:
-            block = arr[c * outer : min(T, (c + 1) * outer)]
-        except Exception as e:  # noqa: BLE001
-            problems.append(f"shard {name}: chunk {key}/c/{c} is unreadable ({type(e).__name__}: {e})")
+            block = arr[a : min(T, a + step)]
+        except Exception:  # noqa: BLE001 - find the inner chunks at fault
+            _locate_bad_chunks(arr, a, min(T, a + step), where, problems)
             continue
-        if key.startswith("layer_") and not key.endswith("_scale"):
-            vals = decode_layer(block, layout.dtype, np.ones(len(block), np.float32))
-            if not torch.isfinite(vals).all():
-                problems.append(f"shard {name}: {key} rows {c * outer}..{c * outer + len(block)} hold NaN/Inf")
-        elif key.endswith("_scale") and not (np.isfinite(block).all() and (block > 0).all()):
-            problems.append(f"shard {name}: {key} holds non-positive or non-finite scales")
+        _check_values(block, key, layout, f"{where} rows {a}..{a + len(block)}", problems)
+
+
+def _check_index(file: Path, n: int, rows: int, path: Path, where: str, problems: list) -> bool:
+    """The data file exists and its shard index is intact and lists all n inner chunks inside the file."""
+    if not file.is_file():
+        problems.append(f"{where}: data file {file.relative_to(path)} is missing")
+        return False
+    size = file.stat().st_size
+    try:
+        with open(file, "rb") as f:
+            f.seek(max(0, size - index_nbytes(n)))
+            entries = decode_index(f.read(), n)
+    except StoreError as e:
+        problems.append(f"{where}: data file {file.relative_to(path)} is corrupt ({e})")
+        return False
+    bad = np.flatnonzero((entries[:, 0] + entries[:, 1] > size - index_nbytes(n)) | (entries[:, 1] == 0))
+    for c in bad[:10]:
+        problems.append(f"{where}: chunk {c} (rows {c * rows}..{(c + 1) * rows}) is missing from the shard index")
+    return len(bad) == 0
+
+
+def _locate_bad_chunks(arr, a: int, b: int, where: str, problems: list) -> None:
+    rows = arr.chunks[0]
+    for c0 in range(a, b, rows):
+        try:
+            arr[c0 : min(b, c0 + rows)]
+        except Exception as e:  # noqa: BLE001
+            problems.append(
+                f"{where}: chunk {c0 // rows} (rows {c0}..{min(b, c0 + rows)}) is unreadable ({type(e).__name__}: {e})"
+            )
+
+
+def _check_values(block: np.ndarray, key: str, layout: StoreLayout, where: str, problems: list) -> None:
+    if key.startswith("layer_") and not key.endswith("_scale"):
+        vals = decode_layer(block, layout.dtype, np.ones(len(block), np.float32))
+        if not torch.isfinite(vals).all():
+            problems.append(f"{where} hold NaN/Inf")
+    elif key.endswith("_scale") and not (np.isfinite(block).all() and (block > 0).all()):
+        problems.append(f"{where}: non-positive or non-finite fp8 scales")
 
 
 def _check_counts(manifest: dict, held: tuple[int, int], problems: list) -> None:

@@ -16,12 +16,14 @@ import numpy as np
 import torch
 
 from flashdraft.store.files import (
+    array_file,
     dir_bytes,
     fsync_tree,
     is_store,
     is_temp,
     manifest_lock,
     now,
+    part_file,
     read_manifest,
     read_shard_attrs,
     shard_dir,
@@ -32,7 +34,7 @@ from flashdraft.store.files import (
     temp_shard_dir,
     write_manifest,
 )
-from flashdraft.store.format import DTYPES, FORMAT_VERSION, StoreError, StoreLayout, encode_layer, layer_key
+from flashdraft.store.format import FORMAT_VERSION, StoreError, StoreLayout, encode_index, encode_layer, layer_key
 from flashdraft.store.reader import StoreReader
 
 # Manifest keys that must agree between a store and a writer that appends to it. The mask token is not one of
@@ -50,7 +52,9 @@ _IDENTITY_KEYS = (
 
 
 class ShardWriter:
-    """Writes one shard: appends are buffered to `shard_tokens` rows, commit renames it into place.
+    """Writes one shard: appends are buffered to `shard_tokens` rows, then encoded as inner chunks of
+    `chunk_tokens` rows and streamed to one data file per array; commit appends each file's shard index, writes
+    the arrays' zarr.json and renames the shard into place. Host memory: one write block, whatever the shard size.
 
     Use as a context manager: a clean exit commits, an exception aborts (deletes the temp dir).
     """
@@ -65,8 +69,8 @@ class ShardWriter:
         self.tmp = temp_shard_dir(store_path, name)
         self.tmp.mkdir(parents=True)
         self.group = zarr.open_group(str(self.tmp), mode="w", zarr_format=3)
-        self.arrays = self._create_arrays()
-        self.buffers = {k: [] for k in self.arrays}
+        self.parts = self._open_parts()
+        self.buffers = {k: [] for k in self.parts}
         self.buffered = 0
         self.written = 0
         self.seq_ids: list[str] = []
@@ -76,34 +80,46 @@ class ShardWriter:
         self.response_tokens = 0
         self.closed = False
 
-    def _create_arrays(self) -> dict:
-        lay, H = self.layout, self.layout.hidden_size
-        arrays = {
-            "input_ids": self._create("input_ids", (0,), "int32", (lay.shard_tokens,), None),
-            "loss_mask": self._create("loss_mask", (0,), "bool", (lay.shard_tokens,), None),
-        }
-        for i in lay.layer_ids:
-            k = layer_key(i)
-            arrays[k] = self._create(k, (0, H), DTYPES[lay.dtype][0], (lay.chunk_tokens, H), (lay.shard_tokens, H))
-            if lay.dtype == "float8_e4m3":
-                arrays[k + "_scale"] = self._create(k + "_scale", (0,), "float32", (lay.shard_tokens,), None)
-        if lay.teacher_topk:
-            k = lay.teacher_topk
-            for key, dtype in (("teacher_ids", "int32"), ("teacher_logp", "float16")):
-                arrays[key] = self._create(key, (0, k), dtype, (lay.chunk_tokens, k), (lay.shard_tokens, k))
-        return arrays
+    def _open_parts(self) -> dict:
+        """Per array, its data file being streamed: [file, (offset, nbytes) of each inner chunk written]."""
+        return {key: [open(part_file(self.tmp, key), "wb"), []] for key in self.layout.array_keys()}
 
-    def _create(self, name, shape, dtype, chunks, shards):
-        return self.group.create_array(
-            name,
-            shape=shape,
-            dtype=dtype,
-            chunks=chunks,
-            shards=shards,
-            compressors=self.layout.compressors(np.dtype(dtype).itemsize),
-            fill_value=0,
-            config={"write_empty_chunks": True},  # verify can then tell a missing file from zeros
-        )
+    def _write_chunks(self, key: str, data: np.ndarray, final: bool) -> None:
+        """Encode `data` (whole inner chunks; when final, the last one padded with zeros) to the array's file."""
+        f, entries = self.parts[key]
+        ct = self.layout.chunk_tokens
+        if final and len(data) % ct:
+            pad = np.zeros((ct - len(data) % ct, *data.shape[1:]), dtype=data.dtype)
+            data = np.concatenate([data, pad])
+        for a in range(0, len(data), ct):
+            blob = self.layout.encode_chunk(data[a : a + ct])
+            entries.append((f.tell(), len(blob)))
+            f.write(blob)
+
+    def _finish_arrays(self) -> None:
+        """Append each array's shard index, write its zarr.json and move its data file into place."""
+        lay, T = self.layout, self.written
+        ct = lay.chunk_tokens
+        n_inner = max(1, -(-T // ct))
+        for key, (dtype, row) in lay.array_specs().items():
+            f, entries = self.parts[key]
+            if T:
+                f.write(encode_index(np.asarray(entries, dtype=np.uint64).reshape(n_inner, 2)))
+            f.close()
+            self.group.create_array(
+                key,
+                shape=(T, *row),
+                dtype=dtype,
+                chunks=(ct, *row),
+                shards=(n_inner * ct, *row),
+                compressors=lay.compressors(np.dtype(dtype).itemsize),
+                fill_value=0,
+                chunk_key_encoding={"name": "v2", "separator": "."},
+            )
+            if T:
+                os.replace(part_file(self.tmp, key), array_file(self.tmp, key, 1 + len(row)))
+            else:
+                os.remove(part_file(self.tmp, key))
 
     def append(self, seq_id: str, input_ids, loss_mask, features, teacher=None) -> None:
         """teacher: (ids [S, k], log-probs [S, k]) when the layout keeps the target's top-k, else None."""
@@ -113,22 +129,34 @@ class ShardWriter:
         mask = np.asarray(loss_mask, dtype=bool).reshape(-1)
         feats = torch.as_tensor(features)
         teacher = self._check(seq_id, ids, mask, feats, teacher)
-        self._seen.add(seq_id)
-        self.buffers["input_ids"].append(ids.astype(np.int32))
-        self.buffers["loss_mask"].append(mask)
+        rows = {"input_ids": ids.astype(np.int32), "loss_mask": mask}
         H = self.layout.hidden_size
         for j, i in enumerate(self.layout.layer_ids):
-            data, scale = encode_layer(feats[:, j * H : (j + 1) * H], self.layout.dtype)
-            self.buffers[layer_key(i)].append(data)
+            rows[layer_key(i)], scale = encode_layer(feats[:, j * H : (j + 1) * H], self.layout.dtype)
             if scale is not None:
-                self.buffers[layer_key(i) + "_scale"].append(scale)
+                rows[layer_key(i) + "_scale"] = scale
         if teacher is not None:
-            self.buffers["teacher_ids"].append(teacher[0].to(torch.int32).numpy())
-            self.buffers["teacher_logp"].append(teacher[1].to(torch.float16).numpy())
-        S = len(ids)
-        self.seq_ids.append(str(seq_id))
+            rows["teacher_ids"] = teacher[0].to(torch.int32).numpy()
+            rows["teacher_logp"] = teacher[1].to(torch.float16).numpy()
+        self._add(str(seq_id), rows)
+
+    def append_stored(self, seq_id: str, rows: dict) -> None:
+        """Append a sequence given as its rows of every array, already in the stored dtypes (a converter's copy)."""
+        if self.closed:
+            raise StoreError(f"shard {self.name} is already closed")
+        specs = self.layout.array_specs()
+        if set(rows) != set(specs) or len({len(r) for r in rows.values()}) != 1 or seq_id in self._seen:
+            raise StoreError(f"sequence {seq_id!r}: rows {sorted(rows)} do not fit this layout ({sorted(specs)})")
+        self._add(str(seq_id), {k: np.asarray(r, dtype=specs[k][0]) for k, r in rows.items()})
+
+    def _add(self, seq_id: str, rows: dict) -> None:
+        self._seen.add(seq_id)
+        for k, r in rows.items():
+            self.buffers[k].append(r)
+        S = len(rows["input_ids"])
+        self.seq_ids.append(seq_id)
         self.offsets.append(self.offsets[-1] + S)
-        self.response_tokens += int(mask.sum())
+        self.response_tokens += int(rows["loss_mask"].sum())
         self.buffered += S
         if self.buffered >= self.layout.shard_tokens:
             self._flush(final=False)
@@ -166,17 +194,14 @@ class ShardWriter:
         self.rejects.append({"seq_id": str(seq_id), "reason": reason, **fields})
 
     def _flush(self, final: bool) -> None:
-        """Write whole `shard_tokens` blocks (and, when final, the remainder) so no file is rewritten."""
+        """Encode whole `shard_tokens` blocks (and, when final, the remainder) and append them to the data files."""
         step = self.layout.shard_tokens
         n = self.buffered if final else (self.buffered // step) * step
         if n == 0:
             return
-        start = self.written
         for k, parts in self.buffers.items():
             data = np.concatenate(parts) if len(parts) > 1 else parts[0]
-            arr = self.arrays[k]
-            arr.resize((start + n, *arr.shape[1:]))
-            arr[start : start + n] = data[:n]
+            self._write_chunks(k, data[:n], final)
             self.buffers[k] = [data[n:]] if n < len(data) else []
         self.written += n
         self.buffered -= n
@@ -186,6 +211,7 @@ class ShardWriter:
         if self.closed:
             raise StoreError(f"shard {self.name} is already closed")
         self._flush(final=True)
+        self._finish_arrays()
         self.group.attrs.update(
             {
                 "format_version": FORMAT_VERSION,
@@ -218,6 +244,8 @@ class ShardWriter:
 
     def abort(self) -> None:
         self.closed = True
+        for f, _ in self.parts.values():
+            f.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def __enter__(self) -> ShardWriter:

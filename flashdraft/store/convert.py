@@ -1,0 +1,87 @@
+"""Converting a format-1 store (one file per array per `shard_tokens` rows) to the current format (one file per
+array per shard): the same shards, sequences, rejects and provenance, bit for bit the same stored values.
+
+    python -m flashdraft.store.convert OLD_STORE NEW_STORE
+
+The old store is only read; the new one must not exist yet. Then `python -m pipeline verify NEW_STORE`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from flashdraft.store.files import is_store, read_manifest, read_rejects, read_shard_attrs, shard_dir, write_rejects
+from flashdraft.store.format import FORMAT_VERSION, StoreError, StoreLayout
+from flashdraft.store.writer import StoreWriter
+
+CONVERTS_FROM = (1,)
+_NOT_COPIED = ("format_version", "created", "updated", "counts", "shards", "layer_ids", "hidden_size", "dtype")
+
+
+def convert_store(src: str | Path, dst: str | Path, *, progress: bool = True) -> dict:
+    """Write a current-format copy of the old store `src` at `dst`; returns the new manifest."""
+    from tqdm import tqdm
+
+    src, dst = Path(src), Path(dst)
+    manifest = read_manifest(src, any_format=True)
+    if manifest["format_version"] not in CONVERTS_FROM:
+        raise StoreError(f"{src} is of format {manifest['format_version']}; this converts {CONVERTS_FROM} only")
+    if is_store(dst):
+        raise StoreError(f"{dst} already holds a store; convert into a new directory")
+    layout = StoreLayout.from_manifest(manifest)
+    extra = {k: v for k, v in manifest.items() if k not in _NOT_COPIED and k != "layout"}
+    extra["converted_from"] = {"path": str(src), "format_version": manifest["format_version"]}
+    writer = StoreWriter(
+        dst,
+        layer_ids=layout.layer_ids,
+        hidden_size=layout.hidden_size,
+        dtype=layout.dtype,
+        manifest_extra=extra,
+        **{k: v for k, v in manifest.get("layout", {}).items()},
+    )
+    for entry in tqdm(manifest["shards"], desc="convert", unit="shard", disable=not progress):
+        _convert_shard(shard_dir(src, entry["name"]), writer, entry["name"])
+    write_rejects(dst, read_rejects(src))
+    return read_manifest(dst)
+
+
+def _convert_shard(old: Path, writer: StoreWriter, name: str) -> None:
+    """Copy one old shard's sequences, a write block of rows at a time, into a new shard of the same name."""
+    import zarr
+
+    attrs = read_shard_attrs(old)
+    arrays = {k: zarr.open_array(str(old / k), mode="r") for k in writer.layout.array_specs()}
+    offsets, ids = attrs["offsets"], attrs["seq_ids"]
+    with writer.shard(name) as shard:
+        j = 0
+        while j < len(ids):
+            k = j  # sequences j..k-1 span at most a write block (or one sequence, if longer)
+            while k < len(ids) and (k == j or offsets[k + 1] - offsets[j] <= writer.layout.shard_tokens):
+                k += 1
+            block = {key: np.asarray(a[offsets[j] : offsets[k]]) for key, a in arrays.items()}
+            for m in range(j, k):
+                a, b = offsets[m] - offsets[j], offsets[m + 1] - offsets[j]
+                shard.append_stored(ids[m], {key: rows[a:b] for key, rows in block.items()})
+            j = k
+        shard.rejects = list(attrs.get("rejects", []))
+    writer.register(shard.info())
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2:
+        print(__doc__.strip(), file=sys.stderr)
+        return 2
+    m = convert_store(argv[0], argv[1])
+    c = m["counts"]
+    print(
+        f"{argv[1]}: format {FORMAT_VERSION}, {len(m['shards'])} shards, {c['sequences']} sequences, {c['tokens']} tok"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
