@@ -21,7 +21,7 @@ from flashdraft.store import (
 )
 from flashdraft.store.convert import main as convert_main
 from flashdraft.store.files import MANIFEST, SHARDS, files_per_shard
-from flashdraft.store.format import decode_index, index_nbytes
+from flashdraft.store.format import decode_index, encode_index, index_nbytes
 
 LAYERS, H = [1, 4, 7], 32
 
@@ -280,6 +280,14 @@ def test_verify_catches_damage(tmp_path):
         f.write(b"\x00\x01")
     problems, _ = verify_store(tmp_path / "s", progress=False)
     assert any("array layer_07: data file " in p and "index checksum mismatch" in p for p in problems), problems
+    ids = shard / "input_ids" / "0"  # an index that lists chunk 5 as never written (zarr reads zeros there)
+    index = decode_index(ids.read_bytes()[-index_nbytes(30) :], 30).copy()
+    index[5] = 2**64 - 1
+    with open(ids, "r+b") as f:
+        f.seek(-index_nbytes(30), 2)
+        f.write(encode_index(index))
+    problems, _ = verify_store(tmp_path / "s", progress=False)
+    assert "shard shard-00000: array input_ids: chunk 5 (rows 80..96) is missing from the shard index" in problems
     os.remove(shard / "layer_01" / "0.0")
     problems, _ = verify_store(tmp_path / "s", progress=False)
     assert any("array layer_01: data file shards/shard-00000/layer_01/0.0 is missing" in p for p in problems)
