@@ -26,7 +26,7 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
-from flashdraft.store.format import FORMAT_VERSION, StoreError
+from flashdraft.store.format import FORMAT_VERSION, StoreError, StoreLayout
 
 MANIFEST = "manifest.json"
 REJECTS = "rejects.jsonl"
@@ -205,3 +205,19 @@ def dir_bytes(root: Path) -> int:
 def shards_bytes(store_path: str | Path) -> int:
     """Bytes on disk of a store's shards (committed or not)."""
     return dir_bytes(shards_dir(store_path))
+
+
+def files_per_shard(layout: StoreLayout, tokens: int) -> int:
+    """Files a shard of `tokens` rows holds in this layout: the group's zarr.json, and per array its zarr.json and
+    one chunk file per `shard_tokens` rows (`layer_<i>` and the teacher arrays are sharded with that outer chunk;
+    the 1-D arrays are chunked at it)."""
+    chunk_files = -(-int(tokens) // layout.shard_tokens)
+    return 1 + len(layout.array_keys()) * (1 + chunk_files)
+
+
+def dirs_per_shard(layout: StoreLayout, tokens: int) -> int:
+    """Folders a shard of `tokens` rows holds besides its own: per array its folder and c/, and per 2-D array
+    (features, teacher top-k) one c/<row chunk>/ a chunk file."""
+    chunk_files = -(-int(tokens) // layout.shard_tokens)
+    two_d = len(layout.layer_ids) + (2 if layout.teacher_topk else 0)
+    return 2 * len(layout.array_keys()) + two_d * chunk_files
