@@ -76,6 +76,16 @@ class StoreConfig:
 
 
 @dataclass
+class SourceFigures:
+    """What `estimate` takes a prompt source to be where its records cannot be read (a hub source offline)."""
+
+    samples: int = MISSING  # records in the source, both splits
+    prompt_tokens: float = MISSING  # mean rendered prompt, chat template included
+    response_tokens: float = MISSING  # mean response (capped at max_new_tokens; expected_response_tokens wins)
+    source: str = MISSING  # where each figure comes from: a dataset card, a paper section, or "assumption: why"
+
+
+@dataclass
 class DataConfig:
     name: str = MISSING
     sources: list[str] = field(default_factory=lambda: ["humaneval", "mtbench"])
@@ -87,11 +97,30 @@ class DataConfig:
     max_new_tokens: int = 512
     max_length: int = 3072  # prompt + response tokens
     max_prompt_tokens: int = 2048  # longer prompts are rejected
-    expected_response_tokens: int | None = None  # for `estimate` (None: max_new_tokens / 2)
+    expected_response_tokens: int | None = None  # for `estimate` (None: max_new_tokens / 2, or the source's figures)
+    # per source, for `estimate` without its records: {source: SourceFigures' fields}, checked by `source_figures`
+    # (a plain dict: OmegaConf cannot take a new entry of a dict of dataclasses from the command line)
+    figures: dict[str, Any] = field(default_factory=dict)
+    capture_tokens_per_s: float = 250.0  # stored tokens one GPU captures a second, for `estimate`'s GPU-hours
     batch_size: int = 8  # rows decoding together; a row that ends takes the next prompt
     shard_size: int = 32  # prompts per fleet task = per store shard
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
+
+
+def source_figures(figures: dict) -> dict[str, SourceFigures]:
+    """`DataConfig.figures` (a plain mapping) as SourceFigures; an unknown or missing field is refused by name."""
+    out = {}
+    for source, values in figures.items():
+        key = f"data.figures.{source}"
+        if not isinstance(values, dict):
+            raise ValueError(f"{key} must be a mapping of {list(SourceFigures.__dataclass_fields__)}, got {values!r}")
+        fig = as_settings(values, SourceFigures, key)
+        missing = [k for k in SourceFigures.__dataclass_fields__ if getattr(fig, k) == MISSING]
+        if missing:
+            raise ValueError(f"{key} lacks {missing}")
+        out[str(source)] = fig
+    return out
 
 
 # --- cluster (conf/cluster/*.yaml) --------------------------------------------------------------

@@ -1,7 +1,7 @@
 """`python -m pipeline [overrides]`: capture target features into the store at `features_dir`.
 
 python -m pipeline model=smollm2-135m data.limit=8          # capture (resumes if rerun)
-python -m pipeline estimate data=nemotron model=qwen3-8b     # bytes on disk before capture
+python -m pipeline estimate data=nemotron model=qwen3-8b     # bytes, shards, files, GPU-hours (offline too)
 python -m pipeline verify runs/smollm2-135m/features        # check a store; exit 1 on a problem
 python -m pipeline paths run_dir=/shared/runs/qwen3-8b       # where a cluster job writes; exit 1 if relative
 """
@@ -19,12 +19,27 @@ for _k, _v in (("RAY_AUTH_MODE", "disabled"), ("HF_HUB_ETAG_TIMEOUT", "10"), ("H
 import hydra  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from flashdraft.config import ClusterConfig, DataConfig, ModelConfig, as_settings, register_configs  # noqa: E402
+from flashdraft.config import (  # noqa: E402
+    ClusterConfig,
+    DataConfig,
+    ModelConfig,
+    as_settings,
+    register_configs,
+    source_figures,
+)
 from flashdraft.prompts import PromptSourceUnavailable  # noqa: E402
 from flashdraft.spec import capture_layer_ids, check_layer_ids, default_layer_ids  # noqa: E402
-from flashdraft.store import StoreError, verify_store  # noqa: E402
+from flashdraft.store import StoreError, StoreLayout, verify_store  # noqa: E402
 from pipeline.fleet import FleetConfig, run_fleet  # noqa: E402
-from pipeline.job import estimate, load_records, open_store, target_config  # noqa: E402
+from pipeline.job import (  # noqa: E402
+    estimate,
+    figures_row,
+    load_records,
+    open_store,
+    sampled_row,
+    source_limit,
+    target_config,
+)
 from pipeline.worker import CaptureSettings  # noqa: E402
 
 
@@ -125,30 +140,92 @@ def capture_command(cfg: DictConfig) -> int:
     return 1 if summary.failed else 0
 
 
+def estimate_rows(cfg: DictConfig, settings: CaptureSettings) -> list[dict]:
+    """Per source, what the estimate takes it to be: its records sampled where they load (the hub reachable, a
+    file, an embedded source), else its `data.figures` entry; a source with neither is refused by name."""
+    d = cfg.data
+    limit = OmegaConf.to_container(d.limit) if isinstance(d.limit, DictConfig) else d.limit
+    figures = source_figures(OmegaConf.to_container(d.figures, resolve=True))
+    rows = []
+    for source in map(str, d.sources):
+        cap = source_limit(list(d.sources), limit, source)
+        try:
+            records, _ = load_records([source], split=d.split, limit=cap, heldout_fraction=float(d.heldout_fraction))
+        except PromptSourceUnavailable as e:
+            if source not in figures:
+                raise PromptSourceUnavailable(
+                    f"{e}. An estimate without its records needs its figures, and data.figures has none for "
+                    f"{source!r}: pass +data.figures.{source}='{{samples: N, prompt_tokens: P, response_tokens: R, "
+                    f"source: where they come from}}' or add them to conf/data/{d.name}.yaml"
+                ) from e
+            rows.append(
+                figures_row(
+                    source,
+                    figures[source],
+                    split=d.split,
+                    heldout_fraction=float(d.heldout_fraction),
+                    cap=cap,
+                    max_new_tokens=int(d.max_new_tokens),
+                    expected_response_tokens=d.expected_response_tokens,
+                )
+            )
+            continue
+        rows.append(sampled_row(source, records, settings, d.expected_response_tokens))
+    return rows
+
+
+RATE_NOTE = (
+    "the default, 250, is an assumption: Hugging Face generate at data.batch_size 8 of an 8B target on one H100 "
+    "(issue #38 puts it at 200-300; no GPU has measured it); a serving engine's responses captured with "
+    "data.mode=capture run far faster"
+)
+
+
 def estimate_command(cfg: DictConfig) -> int:
     settings = settings_from(cfg, offline_ok=True)
-    records, _ = records_from(cfg)
-    hidden = int(cfg.model.hidden_size)
+    rows = estimate_rows(cfg, settings)
+    d, store = cfg.data, cfg.data.store
+    layout = StoreLayout(settings.layer_ids, int(cfg.model.hidden_size), **OmegaConf.to_container(store, resolve=True))
+    rate = float(d.capture_tokens_per_s)
     e = estimate(
-        records,
-        settings,
-        hidden_size=hidden,
-        dtype=cfg.data.store.dtype,
+        rows,
+        layout,
+        max_length=int(d.max_length),
+        shard_size=int(d.shard_size),
+        capture_tokens_per_s=rate,
         store_path=cfg.features_dir,
-        expected_response_tokens=cfg.data.expected_response_tokens,
-        teacher_topk=int(cfg.data.store.teacher_topk),
     )
-    gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+    for r in rows:
+        print(
+            f"{r['source']}: {r['prompts']:,} prompts x ({r['prompt_tokens']:,.0f} prompt + "
+            f"{r['response_tokens']:,.0f} response) tokens [{r['origin']}]"
+        )
     print(
-        f"{e['prompts']} prompts x ({e['mean_prompt_tokens']} prompt + {e['expected_response_tokens']} response) "
-        f"tokens "
-        f"= {e['tokens']} tokens\n"
-        f"x {len(settings.layer_ids)} layers x {hidden} hidden x {cfg.data.store.dtype} "
-        f"= {e['bytes_per_token']} bytes/token\n"
-        f"estimated store size {gib(e['bytes'])} (uncompressed upper bound) vs free disk {gib(e['free_bytes'])} "
-        f"at {cfg.features_dir}: {'fits' if e['fits'] else 'DOES NOT FIT'}"
+        f"= {e['prompts']:,} prompts ({d.split} split), {e['tokens']:,} tokens (mean {e['mean_prompt_tokens']:,.0f} "
+        f"prompt + {e['mean_response_tokens']:,.0f} response; at most data.max_length {d.max_length} a sequence)\n"
+        f"x {len(layout.layer_ids)} layers {list(layout.layer_ids)} x {layout.hidden_size} hidden "
+        "(+ input id, loss mask; fp8 + a float32 scale a layer), uncompressed upper bound:"
     )
+    for dtype, x in e["by_dtype"].items():
+        print(f"  {dtype:<12} {x['bytes_per_token']:>7,} bytes/token = {tb(x['bytes'])}")
+    print(
+        f"shards: {e['shards']:,} (data.shard_size {d.shard_size} prompts, about {e['shard_tokens']:,} tokens a shard)"
+    )
+    for dtype, x in e["by_dtype"].items():
+        print(
+            f"files ({dtype}): {x['files_per_shard']:,} a shard (1 group + {x['arrays']} arrays x (1 zarr.json + "
+            f"1 data file)) = {x['files']:,} in all"
+        )
+    print(f"GPU-hours: {e['gpu_hours']:,.0f} at data.capture_tokens_per_s {rate:g} tokens/s a GPU")
+    if rate == DataConfig.capture_tokens_per_s:
+        print(f"  ({RATE_NOTE})")
+    verdict = "fits" if e["fits"] else "DOES NOT FIT"
+    print(f"free disk at {cfg.features_dir}: {tb(e['free_bytes'])}; the {layout.dtype} store {verdict}")
     return 0 if e["fits"] else 1
+
+
+def tb(b: float) -> str:
+    return f"{b / 1e12:,.2f} TB" if b >= 1e12 else f"{b / 1e9:,.2f} GB"
 
 
 def verify_command(argv: list[str]) -> int:

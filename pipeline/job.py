@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
 from flashdraft.prompts import load_prompts
-from flashdraft.store import StoreWriter, bytes_per_token
+from flashdraft.store import StoreLayout, StoreWriter, bytes_per_token, files_per_shard
 from flashdraft.target import chat_input_ids, chat_template_hash, load_config, load_tokenizer, target_fingerprint
 from pipeline.worker import CaptureSettings
 
@@ -20,20 +21,26 @@ def load_records(
     `limit` caps each source: one number for all, or a mapping from source to its cap (sources it does not
     name are not capped).
     """
-    if isinstance(limit, Mapping):
-        unknown = sorted(set(map(str, limit)) - set(map(str, sources)))
-        if unknown:
-            raise ValueError(f"data.limit names sources that data.sources does not list: {unknown}")
     records, rejects = [], []
     for source in sources:
         found = []
-        cap = limit.get(str(source)) if isinstance(limit, Mapping) else limit
+        cap = source_limit(sources, limit, source)
         records += load_prompts(str(source), split=split, limit=cap, heldout_fraction=heldout_fraction, rejects=found)
         rejects += [
             {"seq_id": None, "source": r.source, "record_id": r.record_id, "reason": r.reason, "raw": r.raw}
             for r in found
         ]
     return records, rejects
+
+
+def source_limit(sources, limit: int | Mapping | None, source) -> int | None:
+    """The cap `limit` (one number for all, or a mapping from source to its cap) puts on `source`."""
+    if isinstance(limit, Mapping):
+        unknown = sorted(set(map(str, limit)) - set(map(str, sources)))
+        if unknown:
+            raise ValueError(f"data.limit names sources that data.sources does not list: {unknown}")
+        return limit.get(str(source))
+    return limit
 
 
 def target_config(target: str, trust_remote_code: bool = False):
@@ -57,24 +64,9 @@ def open_store(store_path, settings: CaptureSettings, *, sources, store_options:
     )
 
 
-def estimate(
-    records,
-    settings: CaptureSettings,
-    *,
-    hidden_size: int,
-    dtype: str,
-    store_path,
-    expected_response_tokens: int | None = None,
-    sample: int = 256,
-    teacher_topk: int = 0,
-) -> dict:
-    """Bytes on disk before capture: prompts x expected length x layers x hidden x bytes/element.
-
-    Prompt lengths are measured on a sample of rendered prompts (about 4 characters a token where
-    the tokenizer cannot be loaded); the response length is `expected_response_tokens` (default half of
-    max_new_tokens). Compression is not counted (half-precision features barely compress), so the figure is an
-    upper bound.
-    """
+def mean_prompt_tokens(records, settings: CaptureSettings, sample: int = 256) -> float:
+    """Mean rendered prompt length over a sample of `records` (about 4 characters a token where the tokenizer
+    cannot be loaded)."""
     try:
         tokenizer = load_tokenizer(settings.target, settings.trust_remote_code)
     except OSError:
@@ -90,22 +82,80 @@ def estimate(
                 tokenizer, msgs, enable_thinking=settings.enable_thinking, system_prompt=settings.system_prompt
             )
             lens.append(len(ids))
-    prompt = sum(lens) / max(1, len(lens))
+    return sum(lens) / max(1, len(lens))
+
+
+def sampled_row(source: str, records, settings: CaptureSettings, expected_response_tokens=None) -> dict:
+    """A source whose records load: its prompts counted, their lengths measured on a sample; the response is
+    `expected_response_tokens` (default half of max_new_tokens)."""
     response = expected_response_tokens if expected_response_tokens is not None else settings.max_new_tokens / 2
-    per_seq = min(settings.max_length, prompt + response)
-    tokens = int(len(records) * per_seq)
-    bpt = bytes_per_token(len(settings.layer_ids), hidden_size, dtype, teacher_topk)
+    return {
+        "source": source,
+        "prompts": len(records),
+        "prompt_tokens": mean_prompt_tokens(records, settings),
+        "response_tokens": float(response),
+        "origin": f"sampled from its {len(records)} records",
+    }
+
+
+def figures_row(
+    source: str, figures, *, split, heldout_fraction: float, cap, max_new_tokens: int, expected_response_tokens=None
+) -> dict:
+    """A source taken at its recorded figures (`SourceFigures`): its samples, the `split`'s share of them
+    (the split is a hash of each record, so the share is expected, not exact), capped by `cap`."""
+    share = {"train": 1 - heldout_fraction, "heldout": heldout_fraction}.get(split, 1.0)
+    prompts = int(round(int(figures.samples) * share))
+    if cap is not None:
+        prompts = min(prompts, int(cap))
+    response = expected_response_tokens if expected_response_tokens is not None else figures.response_tokens
+    return {
+        "source": source,
+        "prompts": prompts,
+        "prompt_tokens": float(figures.prompt_tokens),
+        "response_tokens": float(min(response, max_new_tokens)),
+        "origin": f"data.figures: {figures.source}",
+    }
+
+
+def estimate(
+    rows: list[dict],
+    layout: StoreLayout,
+    *,
+    max_length: int,
+    shard_size: int,
+    capture_tokens_per_s: float,
+    store_path,
+) -> dict:
+    """Bytes on disk, shards, files and GPU-hours of a capture of `rows` (`sampled_row` / `figures_row`) in
+    `layout`, and in bf16 and fp8 beside it: prompts x (prompt + response, at most max_length) tokens x bytes a
+    token. Compression is not counted (half-precision features barely compress), so bytes are an upper bound."""
+    prompts = sum(r["prompts"] for r in rows)
+    tokens = sum(int(r["prompts"] * min(max_length, r["prompt_tokens"] + r["response_tokens"])) for r in rows)
+    shards = -(-prompts // shard_size)
+    shard_tokens = tokens / max(1, prompts) * shard_size  # a full shard's rows
+    by_dtype = {}
+    for dtype in dict.fromkeys((layout.dtype, "bfloat16", "float8_e4m3")):
+        lay = replace(layout, dtype=dtype)
+        by_dtype[dtype] = {
+            "bytes_per_token": bytes_per_token(len(lay.layer_ids), lay.hidden_size, dtype, lay.teacher_topk),
+            "files_per_shard": files_per_shard(lay),
+            "arrays": len(lay.array_keys()),
+            "files": shards * files_per_shard(lay),
+        }
+        by_dtype[dtype]["bytes"] = tokens * by_dtype[dtype]["bytes_per_token"]
     path = Path(store_path)
     while not path.exists():
         path = path.parent
     free = shutil.disk_usage(path).free
     return {
-        "prompts": len(records),
-        "mean_prompt_tokens": round(prompt, 1),
-        "expected_response_tokens": response,
+        "prompts": prompts,
+        "mean_prompt_tokens": sum(r["prompts"] * r["prompt_tokens"] for r in rows) / max(1, prompts),
+        "mean_response_tokens": sum(r["prompts"] * r["response_tokens"] for r in rows) / max(1, prompts),
         "tokens": tokens,
-        "bytes_per_token": bpt,
-        "bytes": tokens * bpt,
+        "shards": shards,
+        "shard_tokens": int(shard_tokens),
+        "by_dtype": by_dtype,
+        "gpu_hours": tokens / capture_tokens_per_s / 3600,
         "free_bytes": free,
-        "fits": tokens * bpt < free,
+        "fits": by_dtype[layout.dtype]["bytes"] < free,
     }

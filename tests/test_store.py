@@ -37,6 +37,10 @@ def make_sequences(lengths=(5, 100, 70, 1, 300), seed=0, scale=3.0):
     return out
 
 
+def layout_of(num_layers, dtype="bfloat16", topk=0):
+    return StoreLayout(tuple(range(num_layers)), H, dtype, teacher_topk=topk)
+
+
 def small(dtype="bfloat16"):
     return dict(layer_ids=LAYERS, hidden_size=H, dtype=dtype, chunk_tokens=16, shard_tokens=64)
 
@@ -116,8 +120,8 @@ def test_one_file_per_array_per_shard(tmp_path, dtype, topk):
     shard = tmp_path / "s" / SHARDS / "shard-00000"
     files = [f for _, _, fs in os.walk(shard) for f in fs]
     n_arrays = len(r.layout.array_keys())  # 5 (bf16) or 10 (fp8 scales, teacher top-k)
-    assert len(files) == 1 + 2 * n_arrays == files_per_shard(len(LAYERS), dtype, topk)
-    assert files_per_shard(3) == 11 and files_per_shard(5) == 15  # 5 bf16 layers: 7 arrays, 7 data files
+    assert len(files) == 1 + 2 * n_arrays == files_per_shard(layout_of(len(LAYERS), dtype, topk))
+    assert files_per_shard(layout_of(3)) == 11 and files_per_shard(layout_of(5)) == 15
     assert sum(len(ds) for _, ds, _ in os.walk(shard)) == n_arrays  # one folder per array, no chunk folders
     for i, s in enumerate(seqs):
         got = r.read(i, teacher=bool(topk))
@@ -175,7 +179,7 @@ def test_converts_a_format_1_store(tmp_path):
         assert torch.equal(got.features, x.features) and np.array_equal(got.input_ids, x.input_ids)
     assert verify_store(tmp_path / "new", progress=False)[0] == []
     files = [f for _, _, fs in os.walk(tmp_path / "new" / SHARDS / "shard-00001") for f in fs]
-    assert len(files) == files_per_shard(3, "float8_e4m3") == 17
+    assert len(files) == files_per_shard(layout_of(3, "float8_e4m3")) == 17
 
 
 def test_refuses_a_format_1_store(tmp_path):

@@ -8,6 +8,8 @@ hold and how features are encoded, `writer` writes shards and keeps the manifest
 from flashdraft.store.files import (
     MANIFEST,
     committed_seq_ids,
+    dirs_per_shard,
+    files_per_shard,
     is_store,
     next_shard_index,
     read_manifest,
@@ -34,6 +36,8 @@ __all__ = [
     "StoredSequence",
     "bytes_per_token",
     "committed_seq_ids",
+    "dirs_per_shard",
+    "files_per_shard",
     "is_store",
     "next_shard_index",
     "read_manifest",

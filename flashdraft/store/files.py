@@ -86,13 +86,6 @@ def part_file(shard: Path, key: str) -> Path:
     return shard / f"{key}{PART_SUFFIX}"
 
 
-def files_per_shard(num_layers: int, dtype: str = "bfloat16", teacher_topk: int = 0) -> int:
-    """Files one committed shard holds in this format: the group's zarr.json, and per array its zarr.json and its
-    one data file (folders not counted: one per array). 5 bf16 layers: 7 arrays, 15 files."""
-    layout = StoreLayout(tuple(range(num_layers)), 1, dtype, teacher_topk=teacher_topk)
-    return 1 + 2 * len(layout.array_keys())
-
-
 def is_temp(shard: Path) -> bool:
     return shard.name.startswith(TMP_PREFIX)
 
@@ -242,3 +235,14 @@ def dir_bytes(root: Path) -> int:
 def shards_bytes(store_path: str | Path) -> int:
     """Bytes on disk of a store's shards (committed or not)."""
     return dir_bytes(shards_dir(store_path))
+
+
+def files_per_shard(layout: StoreLayout) -> int:
+    """Files one committed shard holds in this format, whatever its rows: the group's zarr.json, and per array its
+    zarr.json and its one data file (5 bf16 layers: 7 arrays, 15 files)."""
+    return 1 + 2 * len(layout.array_keys())
+
+
+def dirs_per_shard(layout: StoreLayout) -> int:
+    """Folders a shard holds besides its own: one per array."""
+    return len(layout.array_keys())
