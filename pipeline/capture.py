@@ -1,10 +1,12 @@
 """Regenerate responses with the target and capture its hidden states in the same pass.
 
-`regenerate` is a batched decode loop over a left-padded batch with a DynamicCache and
-`output_hidden_states=True`: the prefill yields the prompt tokens' states, each decode step yields
-the state of the token it consumes. After the last generated token one more (cheap, one-token)
-step runs so that every stored position, the last one included, holds the target's real state;
-the features of a sequence therefore equal a fresh full forward over its tokens.
+`regenerate` is a batched decode loop over a left-padded batch with a DynamicCache, with forward hooks on the
+chosen decoder layers (`LayerTap`: only those layers' outputs are kept, not every hidden state): the prefill
+yields the prompt tokens' states, each decode step yields the state of the token it consumes. After the last
+generated token one more (cheap, one-token) step runs so that every stored position, the last one included,
+holds the target's real state; the features of a sequence therefore equal a fresh full forward over its tokens.
+`regenerate_stream` hands each sequence over the step it ends, so a caller that writes it out holds only the
+sequences still decoding.
 
 `capture` is the capture-only mode for data that already has responses: one prefill per batch.
 
@@ -24,8 +26,8 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from flashdraft.config import SamplingConfig
-from flashdraft.model import extract_context_feature
 from flashdraft.sampling import sample, sampling_probs
+from flashdraft.target.capture import LayerTap
 
 
 class TargetNaNError(RuntimeError):
@@ -85,7 +87,8 @@ def regenerate(
     batch_size: int | None = None,
     teacher_topk: int = 0,
 ) -> list[Captured]:
-    """Generate a response per prompt and return prompt+response with their features, in prompt order.
+    """Generate a response per prompt and return prompt+response with their features, in prompt order
+    (`regenerate_stream` with the same arguments, collected).
 
     Continuous batching: at most `batch_size` sequences (default: all of them) decode together; a
     sequence leaves the batch the step it ends, and waiting prompts take the free rows (prefilled
@@ -93,12 +96,44 @@ def regenerate(
     on finished rows. `max_new_tokens` may be per prompt. The response includes its stop token. `sampling`:
     None is greedy.
     """
+    results = [None] * len(prompts)
+    for i, captured in regenerate_stream(
+        model,
+        prompts,
+        layer_ids,
+        max_new_tokens=max_new_tokens,
+        stop_ids=stop_ids,
+        pad_id=pad_id,
+        sampling=sampling,
+        generator=generator,
+        batch_size=batch_size,
+        teacher_topk=teacher_topk,
+    ):
+        results[i] = captured
+    return results
+
+
+def regenerate_stream(
+    model,
+    prompts: list[list[int]],
+    layer_ids: list[int],
+    *,
+    max_new_tokens: int | list[int],
+    stop_ids: list[int],
+    pad_id: int,
+    sampling: SamplingConfig | None = None,
+    generator: torch.Generator | None = None,
+    batch_size: int | None = None,
+    teacher_topk: int = 0,
+):
+    """`regenerate` as a generator of (prompt index, Captured), each yielded the step its sequence ends; nothing
+    is kept once yielded, so the caller's memory stays bounded by the batch, not by the number of prompts."""
     limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     if len(limits) != len(prompts) or any(n < 1 for n in limits):
         raise ValueError(f"max_new_tokens must be >= 1 for every prompt, got {limits}")
     sampling = sampling or SamplingConfig()
     decode = _ContinuousDecode(model, prompts, layer_ids, limits, stop_ids, pad_id, sampling, generator, teacher_topk)
-    return decode.run(batch_size or max(1, len(prompts)))
+    yield from decode.run(batch_size or max(1, len(prompts)))
 
 
 class _ContinuousDecode:
@@ -110,29 +145,32 @@ class _ContinuousDecode:
         self.pad_id, self.sampling, self.generator, self.teacher_topk = pad_id, sampling, generator, teacher_topk
         self.device = next(model.parameters()).device
         self.stops = torch.as_tensor(stop_ids or [-1], device=self.device)
-        self.step_kwargs = dict(use_cache=True, output_hidden_states=True, logits_to_keep=1)
-        self.waiting, self.results = deque(range(len(prompts))), [None] * len(prompts)
+        self.step_kwargs = dict(use_cache=True, logits_to_keep=1)
+        self.waiting = deque(range(len(prompts)))
         self.rows: list[int] = []  # prompt index of each batch row
         self.cache = self.mask = self.pos = self.tok = self.lengths = self.ending = self.stopped = None
         self.tokens, self.feats, self.teacher = {}, {}, {}
 
-    def run(self, batch_size: int) -> list[Captured]:
+    def run(self, batch_size: int):
+        """Yield (prompt index, Captured) as sequences end."""
         refill_at = max(1, batch_size // 8)  # free rows worth a prefill
         while self.waiting or self.rows:
             free = batch_size - len(self.rows)
             if self.waiting and (free >= refill_at or not self.rows):
                 self._admit([self.waiting.popleft() for _ in range(min(free, len(self.waiting)))])
-            self._step()
-        return self.results
+            yield from self._step()
+
+    def _forward(self, **kwargs):
+        """One target forward; returns its output and the chosen layers' features on the CPU."""
+        with LayerTap(self.model, self.layer_ids) as tap:
+            out = self.model(**kwargs, **self.step_kwargs)
+            return out, tap.features().cpu()
 
     def _admit(self, joining: list[int]) -> None:
         """Prefill the joining prompts together and merge them into the batch."""
         ids, new_mask, new_pos = left_pad([self.prompts[i] for i in joining], self.pad_id, self.device)
         new_cache = _new_cache(self.model)
-        out = self.model(
-            input_ids=ids, attention_mask=new_mask, position_ids=new_pos, cache=new_cache, **self.step_kwargs
-        )
-        prompt_feats = extract_context_feature(out.hidden_states, self.layer_ids).cpu()
+        out, prompt_feats = self._forward(input_ids=ids, attention_mask=new_mask, position_ids=new_pos, cache=new_cache)
         for r, i in enumerate(joining):
             self.feats[i], self.tokens[i] = [prompt_feats[r, ids.shape[1] - len(self.prompts[i]) :]], []
         if self.teacher_topk:
@@ -161,25 +199,21 @@ class _ContinuousDecode:
             not_captured = (torch.zeros(n, k, dtype=torch.long), torch.full((n, k), -math.inf))
             self.teacher[i] = [not_captured, (top_ids[r : r + 1], top_logp[r : r + 1])]
 
-    def _step(self) -> None:
+    def _step(self) -> list[tuple[int, Captured]]:
         """Feed each row's newest token: its state is that token's feature, its logits give the next token. Rows
-        that end with it leave the batch."""
+        that end with it leave the batch; returns their sequences."""
         self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
-        out = self.model(
-            input_ids=self.tok[:, None],
-            attention_mask=self.mask,
-            position_ids=self.pos[:, None],
-            cache=self.cache,
-            **self.step_kwargs,
+        out, step_feats = self._forward(
+            input_ids=self.tok[:, None], attention_mask=self.mask, position_ids=self.pos[:, None], cache=self.cache
         )
-        self._record(out)
+        self._record(out, step_feats[:, 0])
+        done = []
         for r in self.ending.nonzero()[:, 0].tolist():
             i = self.rows[r]
             teacher = self.teacher.pop(i, None)
             finished = bool(self.stopped[r])
-            self.results[i] = _captured(
-                self.prompts[i], self.tokens.pop(i), self.feats.pop(i), finished, f"prompt {i}", teacher
-            )
+            feats = self.feats.pop(i)
+            done.append((i, _captured(self.prompts[i], self.tokens.pop(i), feats, finished, f"prompt {i}", teacher)))
         row_limits = torch.as_tensor([self.limits[i] for i in self.rows], device=self.device)
         self.tok = pick_tokens(out.logits[:, -1], self.sampling, self.generator)
         self.lengths = self.lengths + 1
@@ -189,10 +223,10 @@ class _ContinuousDecode:
         self.ending = self.stopped | at_limit
         if len(keep) < len(self.rows):
             self._keep_rows(keep)
+        return done
 
-    def _record(self, out) -> None:
-        """Append each row's consumed token with its feature (and teacher row)."""
-        step_feats = extract_context_feature(out.hidden_states, self.layer_ids)[:, 0].cpu()
+    def _record(self, out, step_feats: torch.Tensor) -> None:
+        """Append each row's consumed token with its feature [rows, n*H] (and teacher row)."""
         if self.teacher_topk:
             top_ids, top_logp = next_token_topk(out.logits[:, -1], self.teacher_topk)
         for r, (i, t) in enumerate(zip(self.rows, self.tok.tolist())):
@@ -288,23 +322,17 @@ def capture(
     """Capture-only: one left-padded prefill over complete sequences (prompt + existing response)."""
     device = next(model.parameters()).device
     ids, mask, pos = left_pad(sequences, pad_id, device)
-    out = model(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=pos,
-        use_cache=False,
-        output_hidden_states=True,
-        logits_to_keep=1,
-    )
-    feats = extract_context_feature(out.hidden_states, layer_ids).cpu()
+    with LayerTap(model, layer_ids, final=bool(teacher_topk)) as tap:
+        model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=1)
+        feats, final = tap.features().cpu(), tap.final
     width = feats.shape[1]
     head = model.get_output_embeddings()
     results = []
     for r, (s, m) in enumerate(zip(sequences, loss_masks)):
         f = feats[r, width - len(s) :]
         _check_finite(f, f"sequence {r} of the batch")
-        # hidden_states[-1] is the final-normed state the head reads; one row at a time keeps [S, V] logits small
-        top = next_token_topk(head(out.hidden_states[-1][r, width - len(s) :]), teacher_topk) if teacher_topk else None
+        # `final` is the final-normed state the head reads; one row at a time keeps [S, V] logits small
+        top = next_token_topk(head(final[r, width - len(s) :]), teacher_topk) if teacher_topk else None
         results.append(
             Captured(torch.as_tensor(s, dtype=torch.long), torch.as_tensor(m, dtype=torch.bool), f, True, top)
         )

@@ -1,6 +1,9 @@
 """One capture worker: holds a target, turns a task (a shard's worth of prompts) into a committed shard.
 
-The same class runs in-process (`num_actors: 0`) or as a Ray actor, one per GPU on a cluster.
+The same class runs in-process (`num_actors: 0`) or as a Ray actor, one per GPU on a cluster. Sequences go to the
+shard writer as they finish, and the writer writes every `store.shard_tokens` rows into the shard's arrays, so a
+worker holds at most the `batch_size` sequences decoding plus one block of rows, whatever the task's size; the
+shard still commits atomically at the end of the task.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from flashdraft.config import SamplingConfig
 from flashdraft.prompts import PromptRecord
 from flashdraft.store import ShardWriter, StoreLayout, read_manifest, shard_exists
 from flashdraft.target import chat_input_ids, load_target, resolve_dtype, stop_token_ids
-from pipeline.capture import capture, regenerate
+from pipeline.capture import capture, regenerate_stream
 
 
 @dataclass(frozen=True)
@@ -136,12 +139,13 @@ class CaptureWorker:
                 else:
                     encoded.append((rec, *e))
             encoded.sort(key=lambda x: len(x[1]))  # similar lengths batch (and join the batch) with little padding
-            for (rec, *_), out in zip(encoded, self._capture(encoded, task_seed(self.s.seed, task.name, 0))):
-                shard.append(rec.seq_id, out.input_ids, out.loss_mask, out.features, out.teacher)
+            for i, out in self._capture(encoded, task_seed(self.s.seed, task.name, 0)):
+                shard.append(encoded[i][0].seq_id, out.input_ids, out.loss_mask, out.features, out.teacher)
         return {"info": shard.info(), "pid": os.getpid(), "seconds": time.time() - t0}
 
     def _capture(self, encoded, seed: int):
-        """Regenerate: one continuously batched decode over the task's prompts. Capture: one prefill a batch."""
+        """(index into `encoded`, Captured) as each sequence is done. Regenerate: one continuously batched decode
+        over the task's prompts, in the order sequences end. Capture: one prefill a batch, in order."""
         ids, layers, topk, size = (
             [x[1] for x in encoded],
             list(self.s.layer_ids),
@@ -149,13 +153,13 @@ class CaptureWorker:
             self.s.batch_size,
         )
         if self.s.mode == "capture":
-            out = []
             for b in range(0, len(ids), size):
                 masks = [x[2] for x in encoded[b : b + size]]
-                out += capture(self.model, ids[b : b + size], masks, layers, pad_id=self.pad_id, teacher_topk=topk)
-            return out
+                batch = capture(self.model, ids[b : b + size], masks, layers, pad_id=self.pad_id, teacher_topk=topk)
+                yield from enumerate(batch, start=b)
+            return
         gen = torch.Generator(device=self.model.device).manual_seed(seed) if self.s.sampling.do_sample else None
-        return regenerate(
+        yield from regenerate_stream(
             self.model,
             ids,
             layers,

@@ -14,7 +14,7 @@ from flashdraft.prompts import PromptSourceUnavailable, load_prompts
 from flashdraft.store import StoreError, StoreReader, read_manifest, read_rejects, verify_store
 from flashdraft.store.files import SHARDS
 from flashdraft.target import capture_features, load_tokenizer
-from pipeline.capture import TargetNaNError, capture, regenerate
+from pipeline.capture import TargetNaNError, capture, regenerate, regenerate_stream
 from pipeline.fleet import FleetConfig, run_fleet
 from pipeline.job import load_records, open_store
 from pipeline.worker import CaptureSettings, CaptureWorker
@@ -278,3 +278,19 @@ def test_hub_sources_fail_fast_and_clearly(monkeypatch):
     with pytest.raises(PromptSourceUnavailable, match="codealpaca"):
         load_records(["codealpaca"])
     assert time.time() - t0 < 30
+
+
+def test_regenerate_stream_hands_over_each_sequence_as_it_ends():
+    """Sequences come out while later prompts still wait (a worker writes them instead of holding the task), and
+    collected they are what `regenerate` returns."""
+    model = tiny("qwen3")
+    prompts = [[1, 5, 9, 3], [2], [8, 9], list(range(7, 20)), [3, 3, 7], [4, 4, 4]]
+    limits = [2, 9, 3, 5, 1, 4]
+    kw = dict(max_new_tokens=limits, stop_ids=[], pad_id=0, batch_size=2)
+    stream = regenerate_stream(model, prompts, LAYERS, **kw)
+    first_i, first = next(stream)
+    assert len(first.input_ids) == len(prompts[first_i]) + limits[first_i]
+    assert stream.gi_frame.f_locals["decode"].waiting, "the first sequence came out only after every prompt started"
+    got = {first_i: first, **dict(stream)}
+    for i, r in enumerate(regenerate(model, prompts, LAYERS, **kw)):
+        assert torch.equal(got[i].input_ids, r.input_ids) and torch.equal(got[i].features, r.features)

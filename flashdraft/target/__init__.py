@@ -1,7 +1,7 @@
 """The target model: loading and resolution (`load`), tokenizer and chat (`chat`), frozen embedding and head
 (`head`), hidden-state capture (`capture`), CPU probes and dtypes (`cpu`), exact verification (`exact`)."""
 
-from flashdraft.target.capture import capture_features
+from flashdraft.target.capture import LayerTap, capture_features
 from flashdraft.target.chat import MASK_TOKEN, chat_input_ids, chat_template_hash, choose_mask_token, stop_token_ids
 from flashdraft.target.cpu import cpu_bf16_gemm_speedup, cpu_has_bf16_tiles, cpu_has_fast_bf16, resolve_dtype
 from flashdraft.target.exact import (
@@ -28,6 +28,7 @@ __all__ = [
     "EXACT_ATTENTION_FP32",
     "MASK_TOKEN",
     "FrozenHead",
+    "LayerTap",
     "capture_features",
     "chat_input_ids",
     "chat_template_hash",
