@@ -74,21 +74,9 @@ def _check_finite(feats: torch.Tensor, what: str) -> None:
 
 
 @torch.no_grad()
-def regenerate(
-    model,
-    prompts: list[list[int]],
-    layer_ids: list[int],
-    *,
-    max_new_tokens: int | list[int],
-    stop_ids: list[int],
-    pad_id: int,
-    sampling: SamplingConfig | None = None,
-    generator: torch.Generator | None = None,
-    batch_size: int | None = None,
-    teacher_topk: int = 0,
-) -> list[Captured]:
-    """Generate a response per prompt and return prompt+response with their features, in prompt order
-    (`regenerate_stream` with the same arguments, collected).
+def regenerate(model, prompts: list[list[int]], layer_ids: list[int], **options) -> list[Captured]:
+    """Generate a response per prompt and return prompt+response with their features, in prompt order:
+    `regenerate_stream` with the same arguments (`options`: its keyword arguments), collected.
 
     Continuous batching: at most `batch_size` sequences (default: all of them) decode together; a
     sequence leaves the batch the step it ends, and waiting prompts take the free rows (prefilled
@@ -97,18 +85,7 @@ def regenerate(
     None is greedy.
     """
     results = [None] * len(prompts)
-    for i, captured in regenerate_stream(
-        model,
-        prompts,
-        layer_ids,
-        max_new_tokens=max_new_tokens,
-        stop_ids=stop_ids,
-        pad_id=pad_id,
-        sampling=sampling,
-        generator=generator,
-        batch_size=batch_size,
-        teacher_topk=teacher_topk,
-    ):
+    for i, captured in regenerate_stream(model, prompts, layer_ids, **options):
         results[i] = captured
     return results
 
