@@ -90,10 +90,14 @@ def fleet_from(cfg: DictConfig) -> FleetConfig:
     )
 
 
+def data_limit(d: DictConfig):
+    """`data.limit` as load_records takes it: a number, a {source: number} map, or None."""
+    return OmegaConf.to_container(d.limit) if isinstance(d.limit, DictConfig) else d.limit
+
+
 def records_from(cfg: DictConfig):
     d = cfg.data
-    limit = OmegaConf.to_container(d.limit) if isinstance(d.limit, DictConfig) else d.limit
-    return load_records(list(d.sources), split=d.split, limit=limit, heldout_fraction=float(d.heldout_fraction))
+    return load_records(list(d.sources), split=d.split, limit=data_limit(d), heldout_fraction=float(d.heldout_fraction))
 
 
 OUTPUTS = ("features_dir", "run_dir")  # the store, and where Hydra logs the run
@@ -144,7 +148,7 @@ def estimate_rows(cfg: DictConfig, settings: CaptureSettings) -> list[dict]:
     """Per source, what the estimate takes it to be: its records sampled where they load (the hub reachable, a
     file, an embedded source), else its `data.figures` entry; a source with neither is refused by name."""
     d = cfg.data
-    limit = OmegaConf.to_container(d.limit) if isinstance(d.limit, DictConfig) else d.limit
+    limit = data_limit(d)
     figures = source_figures(OmegaConf.to_container(d.figures, resolve=True))
     rows = []
     for source in map(str, d.sources):

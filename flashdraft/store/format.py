@@ -154,10 +154,8 @@ def index_nbytes(n_chunks: int) -> int:
 
 def decode_index(tail: bytes, n_chunks: int) -> np.ndarray:
     """The [n_chunks, 2] (offset, nbytes) entries of a shard index (the file's last `index_nbytes` bytes)."""
-    import google_crc32c
-
-    body, crc = tail[:-4], tail[-4:]
-    if len(tail) != index_nbytes(n_chunks) or np.uint32(google_crc32c.value(body)).astype("<u4").tobytes() != crc:
+    body = tail[:-4]
+    if len(tail) != index_nbytes(n_chunks) or with_crc32c(body) != tail:
         raise StoreError("shard index checksum mismatch")
     return np.frombuffer(body, dtype="<u8").reshape(n_chunks, 2)
 
