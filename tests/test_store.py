@@ -304,6 +304,14 @@ def test_verify_catches_damage(tmp_path):
     assert any("shard-00009 is listed in the manifest but missing" in p for p in problems)
     assert any("manifest counts" in p for p in problems)
 
+    write_store(tmp_path / "x", make_sequences(), **small())  # a span index that no longer matches the loss mask
+    group = zarr.open_group(str(tmp_path / "x" / SHARDS / "shard-00000"), mode="r+")
+    spans, ids = group.attrs["response_spans"], group.attrs["seq_ids"]
+    spans[1] = [spans[1][0] + 1, spans[1][1]]
+    group.attrs["response_spans"] = spans
+    problems, _ = verify_store(tmp_path / "x", progress=False)
+    assert problems == [f"shard shard-00000: response_spans disagree with loss_mask for 1 sequences ({ids[1]})"]
+
 
 def test_reader_is_lazy_and_picklable(tmp_path):
     w = StoreWriter(tmp_path / "s", **small())

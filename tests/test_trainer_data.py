@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from flashdraft.store import write_store
+from flashdraft.store import StoreReader, write_store
 from trainer.anchors import count_valid_anchors
-from trainer.data import Prefetcher, TrainingData, valid_anchor_counts
+from trainer.data import Prefetcher, TrainingData, valid_anchor_counts, valid_anchor_counts_from_masks
 
 H = 8
 
@@ -55,6 +55,26 @@ def test_valid_anchor_counts_match_per_sequence_reads(tmp_path):
     expected = [count_valid_anchors(store.read(i).loss_mask[:30], 8) for i in range(len(store))]
     np.testing.assert_array_equal(counts, expected)
     assert (counts == 0).any() and (counts > 0).any()
+
+
+def test_anchor_counts_from_the_span_index_equal_the_loss_masks_for_multi_turn_masks(tmp_path):
+    rng, seqs = np.random.default_rng(3), []
+    for i in range(60):  # masks of 0-3 runs, at the start, middle and end, some shorter than a block
+        s = int(rng.integers(3, 50))
+        mask = np.zeros(s, bool)
+        for _ in range(int(rng.integers(0, 4))):
+            a = int(rng.integers(0, s))
+            mask[a : a + int(rng.integers(1, 12))] = True
+        seqs.append({"seq_id": f"m{i}", "input_ids": rng.integers(0, 50, s), "loss_mask": mask})
+        seqs[-1]["features"] = torch.zeros(s, H)
+    write_store(tmp_path / "s", seqs, layer_ids=[1], hidden_size=H, dtype="bfloat16", shard_tokens=256, chunk_tokens=32)
+    reader = StoreReader(tmp_path / "s")
+    assert reader.response_spans is not None and len(reader.response_spans[0]) > len(reader)
+    for block, max_length in ((8, 30), (4, 50), (16, 20), (2, 3)):
+        from_index = valid_anchor_counts(reader, block, max_length)
+        np.testing.assert_array_equal(from_index, valid_anchor_counts_from_masks(reader, block, max_length))
+        expected = [count_valid_anchors(s["loss_mask"][:max_length], block) for s in seqs]
+        np.testing.assert_array_equal(from_index, expected)
 
 
 def test_plans_skip_no_anchor_sequences_on_every_rank_and_shard_evenly(tmp_path):

@@ -41,7 +41,19 @@ def is_heldout(seq_id: str, fraction: float) -> bool:
 def valid_anchor_counts(reader: StoreReader, block_size: int, max_length: int) -> np.ndarray:
     """Per sequence, how many anchors p <= S-B have loss_mask[p+1] (S truncated to max_length).
 
-    Reads each shard's loss mask once (one byte a token) instead of every sequence."""
+    From the shards' response-span index when the store has one (no array read), else from each shard's loss
+    mask, read once (one byte a token)."""
+    if reader.response_spans is None:
+        return valid_anchor_counts_from_masks(reader, block_size, max_length)
+    seq, start, end = reader.response_spans
+    s = np.minimum(reader.lengths, max_length)[seq]
+    lo = np.maximum(start, 1)  # mask index i = p + 1 for anchors p = 0 ..
+    hi = np.minimum(end, s - block_size + 2)  # .. p = S-B (exclusive end)
+    return np.bincount(seq, weights=np.maximum(hi - lo, 0), minlength=len(reader)).astype(np.int64)
+
+
+def valid_anchor_counts_from_masks(reader: StoreReader, block_size: int, max_length: int) -> np.ndarray:
+    """`valid_anchor_counts` from the stored loss masks: every shard's loss_mask array read once."""
     counts = np.zeros(len(reader), dtype=np.int64)
     start = 0
     for offsets, mask in reader.shard_loss_masks():

@@ -2,7 +2,8 @@
 
     manifest.json                 provenance, format, counts, and the list of COMMITTED shards
     rejects.jsonl                 prompts the pipeline refused, one {"source","record_id","reason"} a line
-    shards/shard-00000/           one Zarr v3 group per fleet task; attributes: seq_ids, offsets, counts
+    shards/shard-00000/           one Zarr v3 group per fleet task; attributes: seq_ids, offsets, response_spans
+                                  (per sequence its loss mask's True runs, [start, end, ...]), counts
                                   every array below is a folder of two files: zarr.json and ONE data file, a zarr
                                   shard over all T rows (`0` for 1-D arrays, `0.0` for 2-D: `array_file`)
         input_ids   int32 [T]         all sequences' tokens, flat; sequence j is offsets[j]:offsets[j+1]

@@ -160,6 +160,13 @@ def decode_index(tail: bytes, n_chunks: int) -> np.ndarray:
     return np.frombuffer(body, dtype="<u8").reshape(n_chunks, 2)
 
 
+def mask_runs(mask: np.ndarray) -> list[int]:
+    """The True runs of a 1-D bool mask as a flat [start, end, start, end, ...] list (ends exclusive): a sequence's
+    response spans, kept in its shard's attributes so that start-up reads no loss mask."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], np.asarray(mask, dtype=np.int8), [0]])))
+    return edges.tolist()
+
+
 def encode_layer(x: torch.Tensor, dtype: str) -> tuple[np.ndarray, np.ndarray | None]:
     """[S, H] float tensor -> (stored array, fp8 per-token scales or None)."""
     if dtype == "bfloat16":

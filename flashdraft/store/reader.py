@@ -34,10 +34,19 @@ def _concat(parts: list, dtype) -> np.ndarray:
     return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
 
 
+def _flat_spans(per_sequence: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-sequence [start, end, ...] lists as flat (sequence index, start, end) arrays, one entry a span."""
+    counts = np.fromiter((len(x) // 2 for x in per_sequence), dtype=np.int64, count=len(per_sequence))
+    flat = np.fromiter((v for x in per_sequence for v in x), dtype=np.int64, count=int(counts.sum()) * 2)
+    return np.repeat(np.arange(len(per_sequence)), counts), flat[0::2], flat[1::2]
+
+
 class StoreReader:
     """Random access to a store's committed sequences. Opens shards lazily; only offsets live in memory.
 
-    Safe to pickle into DataLoader workers (opened arrays are dropped and reopened).
+    Safe to pickle into DataLoader workers (opened arrays are dropped and reopened). `response_spans` is the
+    per-sequence index of the loss masks' True runs, (sequence, start, end) arrays, read from the shards'
+    attributes; None for a store written before shards kept it.
     """
 
     def __init__(self, path: str | Path):
@@ -48,7 +57,7 @@ class StoreReader:
         self.hidden_size = self.layout.hidden_size
         self.dtype = self.layout.dtype
         self._shards: list[_Shard] = []
-        seq_ids, lengths, shard_of, index_in = [], [], [], []
+        seq_ids, lengths, shard_of, index_in, spans = [], [], [], [], []
         for k, entry in enumerate(self.manifest["shards"]):
             d = shard_dir(self.path, entry["name"])
             attrs = read_shard_attrs(d)
@@ -62,10 +71,15 @@ class StoreReader:
             lengths.append(np.diff(offsets))
             shard_of.append(np.full(len(offsets) - 1, k, dtype=np.int32))
             index_in.append(np.arange(len(offsets) - 1, dtype=np.int64))
+            if spans is not None and "response_spans" in attrs:
+                spans.extend(attrs["response_spans"])
+            else:  # a shard written before the index: start-up reads the loss masks instead
+                spans = None
         self.seq_ids: list[str] = seq_ids
         self.lengths = _concat(lengths, np.int64)
         self._shard_of = _concat(shard_of, np.int32)
         self._index_in = _concat(index_in, np.int64)
+        self.response_spans = None if spans is None else _flat_spans(spans)
         self._by_id = None
 
     def __len__(self) -> int:

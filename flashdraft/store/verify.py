@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from flashdraft.store.files import array_file, read_manifest, read_shard_attrs, shard_dir, shards_bytes
-from flashdraft.store.format import StoreError, StoreLayout, decode_index, decode_layer, index_nbytes
+from flashdraft.store.format import StoreError, StoreLayout, decode_index, decode_layer, index_nbytes, mask_runs
 
 
 def verify_store(path: str | Path, *, progress: bool = True) -> tuple[list[str], dict]:
@@ -69,7 +69,28 @@ def _check_shard(path: Path, entry: dict, layout: StoreLayout, seen: dict, probl
         seen[s] = name
     for key in layout.array_keys():
         _check_array(path, d, key, T, layout, problems)
+    if "response_spans" in attrs and len(offsets) == len(ids) + 1:
+        _check_spans(d, attrs["response_spans"], offsets, ids, problems)
     return len(ids), T
+
+
+def _check_spans(d: Path, spans: list, offsets: np.ndarray, ids: list, problems: list) -> None:
+    """The shard's response-span index (what the trainer plans from) equals its loss_mask, sequence by sequence."""
+    import zarr
+
+    try:
+        mask = np.asarray(zarr.open_array(str(d / "loss_mask"), mode="r")[:], dtype=bool)
+    except Exception:  # noqa: BLE001 - an unreadable loss_mask is reported by _check_array
+        return
+    if len(spans) != len(ids):
+        problems.append(f"shard {d.name}: response_spans hold {len(spans)} entries for {len(ids)} sequences")
+        return
+    wrong = [s for j, s in enumerate(ids) if spans[j] != mask_runs(mask[offsets[j] : offsets[j + 1]])]
+    if wrong:
+        problems.append(
+            f"shard {d.name}: response_spans disagree with loss_mask for {len(wrong)} sequences "
+            f"({', '.join(wrong[:5])})"
+        )
 
 
 def _check_array(path: Path, d: Path, key: str, T: int, layout: StoreLayout, problems: list) -> None:

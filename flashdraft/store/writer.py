@@ -34,7 +34,15 @@ from flashdraft.store.files import (
     temp_shard_dir,
     write_manifest,
 )
-from flashdraft.store.format import FORMAT_VERSION, StoreError, StoreLayout, encode_index, encode_layer, layer_key
+from flashdraft.store.format import (
+    FORMAT_VERSION,
+    StoreError,
+    StoreLayout,
+    encode_index,
+    encode_layer,
+    layer_key,
+    mask_runs,
+)
 from flashdraft.store.reader import StoreReader
 
 # Manifest keys that must agree between a store and a writer that appends to it. The mask token is not one of
@@ -77,6 +85,7 @@ class ShardWriter:
         self._seen: set[str] = set()
         self.rejects: list[dict] = []  # inputs this shard was given and refused, kept with the shard
         self.offsets = [0]
+        self.response_spans: list[list[int]] = []  # per sequence: [start, end, ...] of its loss-mask runs
         self.response_tokens = 0
         self.closed = False
 
@@ -156,6 +165,7 @@ class ShardWriter:
         S = len(rows["input_ids"])
         self.seq_ids.append(seq_id)
         self.offsets.append(self.offsets[-1] + S)
+        self.response_spans.append(mask_runs(rows["loss_mask"]))
         self.response_tokens += int(rows["loss_mask"].sum())
         self.buffered += S
         if self.buffered >= self.layout.shard_tokens:
@@ -217,6 +227,7 @@ class ShardWriter:
                 "format_version": FORMAT_VERSION,
                 "seq_ids": self.seq_ids,
                 "offsets": self.offsets,
+                "response_spans": self.response_spans,
                 "sequences": len(self.seq_ids),
                 "tokens": self.written,
                 "response_tokens": self.response_tokens,
