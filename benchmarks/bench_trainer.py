@@ -117,7 +117,7 @@ def main():
     tcfg = AutoConfig.from_pretrained(resolve_target("smollm2-135m"))
     head = load_frozen_head("smollm2-135m")
     dcfg = DraftSpec(LAYERS, mask_token_id=0, block_size=B, num_draft_layers=5).draft_config(tcfg)
-    batch = first
+    batch = first.to("cpu", torch.float32)  # the loader keeps the stored precision; the step takes float32
     torch.manual_seed(0)
     bare = DFlashDrafter(dcfg)
     opt = torch.optim.AdamW(bare.parameters(), lr=6e-4)

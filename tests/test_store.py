@@ -313,6 +313,22 @@ def test_verify_catches_damage(tmp_path):
     assert problems == [f"shard shard-00000: response_spans disagree with loss_mask for 1 sequences ({ids[1]})"]
 
 
+def test_a_damaged_chunk_is_refused_on_read_with_its_location(tmp_path):
+    write_store(tmp_path / "s", make_sequences(), **small())
+    data = tmp_path / "s" / SHARDS / "shard-00000" / "layer_04" / "0.0"
+    index = decode_index(data.read_bytes()[-index_nbytes(30) :], 30)
+    with open(data, "r+b") as f:  # a byte inside inner chunk 3 (rows 48..64): sequence seq-0-1 (rows 5..105)
+        f.seek(int(index[3, 0]) + 40)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x01]))
+    r = StoreReader(tmp_path / "s")
+    where = rf"{tmp_path / 's'}: shard shard-00000, array layer_04, rows 5..105 \(sequence seq-0-1\) is unreadable"
+    with pytest.raises(StoreError, match=where + ".*checksum mismatch"):
+        r.read(1)
+    assert r.read(1, layers=[1]).seq_id == "seq-0-1" and r.read(0).seq_id == "seq-0-0"  # the rest still reads
+
+
 def test_reader_is_lazy_and_picklable(tmp_path):
     w = StoreWriter(tmp_path / "s", **small())
     for k in range(3):
@@ -321,13 +337,14 @@ def test_reader_is_lazy_and_picklable(tmp_path):
                 sh.append(**s)
         w.register(sh.info())
     r = StoreReader(tmp_path / "s")
-    assert len(r) == 15 and all(not s.arrays for s in r._shards)
+    assert len(r) == 15 and not r._indexes
     x = r.read(12)
     assert x.seq_id == "seq-2-2" and torch.equal(
         x.features, make_sequences(seed=2)[2]["features"].to(torch.bfloat16).float()
     )
-    assert len(r._shards[2].arrays) > 0 and not r._shards[0].arrays
+    assert {name for name, _ in r._indexes} == {"shard-00002"}  # only what it read
     r2 = pickle.loads(pickle.dumps(r))
+    assert not r2._indexes
     assert torch.equal(r2.read(12).features, x.features) and r2.index("seq-1-0") == 5
     assert StoreLayout.from_manifest(r.manifest) == w.layout
 

@@ -166,7 +166,10 @@ class TrainingData:
         return frequent_tokens(sequences, k, vocab_size, max_length=self.max_length)
 
     def read(self, i: int):
-        seq = self.readers[self.store_of[i]].read(int(self.local[i]), layers=self.layer_ids, teacher=self.teacher)
+        reader = self.readers[self.store_of[i]]
+        # features stay in the stored precision (bf16: no conversion, half the bytes to pin and copy); the step
+        # casts them to its own dtype on its device (`Batch.to`)
+        seq = reader.read(int(self.local[i]), layers=self.layer_ids, teacher=self.teacher, upcast=False)
         if len(seq.input_ids) > self.max_length:
             m = self.max_length
             seq.input_ids, seq.loss_mask, seq.features = seq.input_ids[:m], seq.loss_mask[:m], seq.features[:m]

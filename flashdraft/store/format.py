@@ -135,6 +135,23 @@ class StoreLayout:
             data = numcodecs.Blosc(cname=cname, clevel=self.clevel, shuffle=numcodecs.Blosc.SHUFFLE).encode(block)
         return with_crc32c(bytes(data))
 
+    def decode_chunk(self, data, dtype: str, row: tuple[int, ...]) -> np.ndarray:
+        """The rows of one inner chunk from its bytes in a shard file (what `encode_chunk` wrote): checksum
+        checked, decompressed, [chunk_tokens, *row] of zarr dtype `dtype`."""
+        import google_crc32c
+        import numcodecs
+
+        data = np.frombuffer(data, dtype=np.uint8)  # a view: slices below copy nothing
+        if google_crc32c.value(data[:-4]) != int(data[-4:].view("<u4")[0]):
+            raise StoreError("inner chunk checksum mismatch")
+        if self.codec == "none":
+            raw = data[:-4]
+        elif self.codec == "zstd":
+            raw = numcodecs.Zstd().decode(data[:-4])
+        else:
+            raw = numcodecs.Blosc().decode(data[:-4])
+        return np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<")).reshape(self.chunk_tokens, *row)
+
 
 def with_crc32c(data: bytes) -> bytes:
     """`data` followed by its crc32c, little-endian: zarr's crc32c codec."""
@@ -184,11 +201,15 @@ def encode_layer(x: torch.Tensor, dtype: str) -> tuple[np.ndarray, np.ndarray | 
     return q.view(torch.uint8).numpy(), scale.numpy().astype(np.float32)
 
 
-def decode_layer(stored: np.ndarray, dtype: str, scale: np.ndarray | None = None) -> torch.Tensor:
+def decode_layer(stored: np.ndarray, dtype: str, scale: np.ndarray | None = None, upcast: bool = True) -> torch.Tensor:
+    """Stored rows -> features: float32, or with `upcast` False the stored precision where torch has it (bf16,
+    fp16: no conversion, no copy); fp8 is always dequantised to float32."""
     if dtype == "bfloat16":
-        return torch.from_numpy(np.ascontiguousarray(stored).view(np.int16)).view(torch.bfloat16).float()
+        x = torch.from_numpy(np.ascontiguousarray(stored).view(np.int16)).view(torch.bfloat16)
+        return x.float() if upcast else x
     if dtype == "float16":
-        return torch.from_numpy(np.ascontiguousarray(stored)).float()
+        x = torch.from_numpy(np.ascontiguousarray(stored))
+        return x.float() if upcast else x
     if dtype == "float32":
         return torch.from_numpy(np.ascontiguousarray(stored))
     x = torch.from_numpy(np.ascontiguousarray(stored)).view(torch.float8_e4m3fn).float()

@@ -1,15 +1,18 @@
-"""Reading a store: random access to its committed sequences, opened lazily."""
+"""Reading a store: random access to its committed sequences, straight from the shards' data files."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from flashdraft.store.files import read_manifest, read_shard_attrs, shard_dir
-from flashdraft.store.format import StoreError, StoreLayout, decode_layer, layer_key
+from flashdraft.store.files import array_file, read_manifest, read_shard_attrs, shard_dir
+from flashdraft.store.format import StoreError, StoreLayout, decode_index, decode_layer, index_nbytes, layer_key
+
+INDEX_CACHE = 512  # shard indexes (array x shard) kept in memory: 16 bytes an inner chunk each
 
 
 @dataclass
@@ -27,7 +30,6 @@ class _Shard:
     name: str
     dir: Path
     offsets: np.ndarray
-    arrays: dict = field(default_factory=dict)
 
 
 def _concat(parts: list, dtype) -> np.ndarray:
@@ -42,9 +44,10 @@ def _flat_spans(per_sequence: list[list[int]]) -> tuple[np.ndarray, np.ndarray, 
 
 
 class StoreReader:
-    """Random access to a store's committed sequences. Opens shards lazily; only offsets live in memory.
+    """Random access to a store's committed sequences. A read takes the inner chunks it needs from each array's
+    data file; only offsets, ids, spans and a bounded cache of shard indexes live in memory.
 
-    Safe to pickle into DataLoader workers (opened arrays are dropped and reopened). `response_spans` is the
+    Safe to pickle into DataLoader workers (the index cache is dropped). `response_spans` is the
     per-sequence index of the loss masks' True runs, (sequence, start, end) arrays, read from the shards'
     attributes; None for a store written before shards kept it.
     """
@@ -81,13 +84,15 @@ class StoreReader:
         self._index_in = _concat(index_in, np.int64)
         self.response_spans = None if spans is None else _flat_spans(spans)
         self._by_id = None
+        self._specs = self.layout.array_specs()
+        self._indexes: dict = {}
 
     def __len__(self) -> int:
         return len(self.seq_ids)
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        state["_shards"] = [_Shard(s.name, s.dir, s.offsets) for s in self._shards]
+        state["_indexes"] = {}
         return state
 
     def index(self, seq_id: str) -> int:
@@ -95,19 +100,51 @@ class StoreReader:
             self._by_id = {s: i for i, s in enumerate(self.seq_ids)}
         return self._by_id[seq_id]
 
-    def _array(self, shard: _Shard, key: str):
-        if key not in shard.arrays:
-            import zarr
+    def _index(self, shard: _Shard, key: str) -> np.ndarray:
+        """The (offset, nbytes) shard-index entries of array `key`'s data file, a few hundred kept in memory."""
+        if (shard.name, key) not in self._indexes:
+            ct = self.layout.chunk_tokens
+            n = -(-int(shard.offsets[-1]) // ct)
+            file = array_file(shard.dir, key, 1 + len(self._specs[key][1]))
+            with open(file, "rb") as f:
+                f.seek(-index_nbytes(n), os.SEEK_END)
+                entries = decode_index(f.read(), n)
+            if len(self._indexes) >= INDEX_CACHE:
+                self._indexes.pop(next(iter(self._indexes)))
+            self._indexes[(shard.name, key)] = entries
+        return self._indexes[(shard.name, key)]
 
-            shard.arrays[key] = zarr.open_array(str(shard.dir / key), mode="r")
-        return shard.arrays[key]
+    def _rows(self, shard: _Shard, key: str, a: int, b: int, seq_id: str) -> np.ndarray:
+        """Rows a:b of array `key`, straight from its data file: the inner chunks covering them read at once, each
+        checked (crc32c) and decompressed. Plain zarr reads the same bytes, at a far higher cost a chunk."""
+        dtype, row = self._specs[key]
+        if b <= a:
+            return np.zeros((0, *row), dtype=dtype)
+        ct = self.layout.chunk_tokens
+        c0, c1 = a // ct, (b - 1) // ct + 1
+        out = np.empty(((c1 - c0) * ct, *row), dtype=dtype)
+        try:
+            entries = self._index(shard, key)[c0:c1].astype(np.int64)
+            lo, hi = int(entries[:, 0].min()), int(entries.sum(1).max())
+            with open(array_file(shard.dir, key, 1 + len(row)), "rb") as f:
+                f.seek(lo)
+                blob = np.frombuffer(f.read(hi - lo), dtype=np.uint8)
+            for k, (offset, nbytes) in enumerate(entries - [lo, 0]):
+                out[k * ct : (k + 1) * ct] = self.layout.decode_chunk(blob[offset : offset + nbytes], dtype, row)
+        except (OSError, ValueError, RuntimeError) as e:
+            raise StoreError(
+                f"{self.path}: shard {shard.name}, array {key}, rows {a}..{b} (sequence {seq_id}) is unreadable: "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        return out[a - c0 * ct : b - c0 * ct]
 
     @property
     def teacher_topk(self) -> int:
         return self.layout.teacher_topk
 
-    def read(self, i: int, layers=None, teacher: bool = False) -> StoredSequence:
-        """Sequence i with the features of `layers` (default: all), and its teacher top-k if asked."""
+    def read(self, i: int, layers=None, teacher: bool = False, upcast: bool = True) -> StoredSequence:
+        """Sequence i with the features of `layers` (default: all), and its teacher top-k if asked. Features are
+        float32, or with `upcast` False in the stored precision where torch has it (bf16, fp16: `decode_layer`)."""
         if not -len(self) <= i < len(self):
             raise IndexError(f"sequence index {i} out of range for a store of {len(self)}")
         i = int(i) % len(self)
@@ -117,21 +154,22 @@ class StoreReader:
             raise StoreError(f"layers {bad} are not in this store (it holds {self.layer_ids})")
         if teacher and not self.teacher_topk:
             raise StoreError(f"{self.path} holds no teacher top-k (capture it with data.store.teacher_topk=8)")
-        shard = self._shards[self._shard_of[i]]
+        shard, sid = self._shards[self._shard_of[i]], self.seq_ids[i]
         j = self._index_in[i]
         a, b = int(shard.offsets[j]), int(shard.offsets[j + 1])
+        rows = lambda key: self._rows(shard, key, a, b, sid)  # noqa: E731
         feats = []
         for layer in layers:
             k = layer_key(layer)
-            scale = self._array(shard, k + "_scale")[a:b] if self.dtype == "float8_e4m3" else None
-            feats.append(decode_layer(self._array(shard, k)[a:b], self.dtype, scale))
+            scale = rows(k + "_scale") if self.dtype == "float8_e4m3" else None
+            feats.append(decode_layer(rows(k), self.dtype, scale, upcast))
         return StoredSequence(
-            self.seq_ids[i],
-            self._array(shard, "input_ids")[a:b].astype(np.int64),
-            self._array(shard, "loss_mask")[a:b].astype(np.bool_),
-            torch.cat(feats, dim=-1),
-            self._array(shard, "teacher_ids")[a:b].astype(np.int64) if teacher else None,
-            self._array(shard, "teacher_logp")[a:b].astype(np.float32) if teacher else None,
+            sid,
+            rows("input_ids").astype(np.int64),
+            rows("loss_mask").astype(np.bool_),
+            torch.cat(feats, dim=-1) if len(feats) > 1 else feats[0],
+            rows("teacher_ids").astype(np.int64) if teacher else None,
+            rows("teacher_logp").astype(np.float32) if teacher else None,
         )
 
     __getitem__ = read
@@ -139,14 +177,14 @@ class StoreReader:
     def shard_loss_masks(self):
         """Per committed shard, (offsets, flat loss_mask): metadata-sized scans without reading features."""
         for shard in self._shards:
-            yield shard.offsets, np.asarray(self._array(shard, "loss_mask")[:], dtype=np.bool_)
+            yield shard.offsets, self._rows(shard, "loss_mask", 0, int(shard.offsets[-1]), "(all)").astype(np.bool_)
 
     def token_sequences(self, skip=()):
         """(input_ids, loss_mask) of every sequence whose id is not in `skip`, a shard read at a time, no features."""
         skip, i = set(skip), 0
         for shard in self._shards:
-            ids = np.asarray(self._array(shard, "input_ids")[:], dtype=np.int64)
-            mask = np.asarray(self._array(shard, "loss_mask")[:], dtype=np.bool_)
+            ids = self._rows(shard, "input_ids", 0, int(shard.offsets[-1]), "(all)").astype(np.int64)
+            mask = self._rows(shard, "loss_mask", 0, int(shard.offsets[-1]), "(all)").astype(np.bool_)
             for a, b in zip(shard.offsets[:-1], shard.offsets[1:]):
                 if self.seq_ids[i] not in skip:
                     yield ids[a:b], mask[a:b]
