@@ -14,7 +14,7 @@ from flashdraft.prompts import PromptSourceUnavailable, load_prompts
 from flashdraft.store import StoreError, StoreReader, read_manifest, read_rejects, verify_store
 from flashdraft.store.files import SHARDS
 from flashdraft.target import capture_features, load_tokenizer
-from pipeline.capture import TargetNaNError, capture, regenerate, regenerate_stream
+from pipeline.capture import TargetNaNError, capture, regenerate, regenerate_stream, token_batches
 from pipeline.fleet import FleetConfig, run_fleet
 from pipeline.job import load_records, open_store
 from pipeline.worker import CaptureSettings, CaptureWorker
@@ -294,3 +294,54 @@ def test_regenerate_stream_hands_over_each_sequence_as_it_ends():
     got = {first_i: first, **dict(stream)}
     for i, r in enumerate(regenerate(model, prompts, LAYERS, **kw)):
         assert torch.equal(got[i].input_ids, r.input_ids) and torch.equal(got[i].features, r.features)
+
+
+def test_auto_batch_on_cpu_is_8_and_says_so(tmp_path, target, capsys):
+    settings = settings_for(target, batch_size="auto")
+    open_store(tmp_path / "s", settings, sources=["test"], store_options={})
+    worker = CaptureWorker(str(tmp_path / "s"), settings)
+    assert (worker.batch_size, worker.prefill_tokens) == (8, None)  # the CPU regenerate path as before auto
+    err = capsys.readouterr().err
+    assert "decode batch 8 rows: auto on CPU" in err and "prefill budget unlimited: auto on CPU" in err
+    capture_mode = CaptureWorker(str(tmp_path / "s"), settings_for(target, mode="capture", prefill_tokens="auto"))
+    assert capture_mode.prefill_tokens == 16384
+    assert "prefill budget 16,384 tokens: auto on CPU" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="data.batch_size must be a positive number or auto"):
+        settings_for(target, batch_size="many")
+
+
+def test_capture_mode_batches_by_token_budget_and_stores_the_same(tmp_path, target):
+    """Length-sorted sequences go to the target in prefills of rows x longest <= data.prefill_tokens (an over-long
+    one alone); the store holds the same tokens, masks and (to bf16 rounding) features whatever the budget."""
+    answers = ["Yes.", "Seven, counted twice over.", "A list: " + ", ".join(map(str, range(40))), "No", "Maybe so."]
+    lines = [
+        {"messages": [{"role": "user", "content": f"Question {i}?"}, {"role": "assistant", "content": a}]}
+        for i, a in enumerate(answers * 2)
+    ]
+    write_jsonl(tmp_path / "chat.jsonl", lines)
+    records, _ = load_records([str(tmp_path / "chat.jsonl")], split=None)
+    prefills = []
+
+    def note_prefill(module, args):
+        if isinstance(module, torch.nn.Embedding):
+            prefills.append(tuple(args[0].shape))
+
+    stores = {}
+    for budget in (100, 100_000):
+        prefills.clear()
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(note_prefill)
+        try:
+            fleet_run(tmp_path / str(budget), target, records, mode="capture", prefill_tokens=budget, shard_size=10)
+        finally:
+            handle.remove()
+        stores[budget] = r = StoreReader(tmp_path / str(budget))
+        lengths = sorted(len(r.read(i).input_ids) for i in range(len(r)))
+        assert prefills == [(len(g), lengths[g[-1]]) for g in token_batches(lengths, budget)]
+        assert all(rows * width <= budget or rows == 1 for rows, width in prefills), prefills
+    assert len(prefills) == 1 and len(token_batches(lengths, 100)) > 3 and lengths[-1] > 100  # the long one: alone
+    small, large = stores[100], stores[100_000]
+    assert sorted(small.seq_ids) == sorted(large.seq_ids) and len(small) == 10
+    for seq_id in small.seq_ids:
+        a, b = small.read(small.index(seq_id)), large.read(large.index(seq_id))
+        assert np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.loss_mask, b.loss_mask)
+        assert np.abs(a.features - b.features).max() <= 0.02 * np.abs(b.features).max()
