@@ -19,7 +19,7 @@ import torch
 from flashdraft.config import SamplingConfig
 from flashdraft.prompts import PromptRecord
 from flashdraft.store import ShardWriter, StoreLayout, read_manifest, shard_exists
-from flashdraft.target import chat_input_ids, load_target, resolve_dtype, stop_token_ids
+from flashdraft.target import chat_text, load_target, resolve_dtype, stop_token_ids
 from flashdraft.target.memory import DEFAULT_FRACTION, decode_rows, prefill_token_budget
 from pipeline.capture import capture, regenerate_stream, token_batches
 
@@ -150,8 +150,8 @@ class CaptureWorker:
 
     # --- prompts -> token ids ----------------------------------------------------------------
 
-    def _render(self, messages, add_generation_prompt=True) -> list[int]:
-        return chat_input_ids(
+    def _render(self, messages, add_generation_prompt=True) -> str:
+        return chat_text(
             self.tokenizer,
             list(messages),
             add_generation_prompt=add_generation_prompt,
@@ -159,35 +159,51 @@ class CaptureWorker:
             system_prompt=self.s.system_prompt,
         )
 
+    def _ids(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
     def encode(self, record: PromptRecord) -> tuple[list[int], list[bool] | None] | str:
-        """(prompt ids, None) to regenerate, (sequence ids, loss mask) to capture, or a reject reason."""
+        """(prompt ids, None) to regenerate, (sequence ids, loss mask) to capture, or a reject reason.
+
+        Capture: the prompt is the conversation without its final assistant turn, encoded exactly as regeneration
+        would feed it (generation prompt included); the response is what the template renders after it, up to and
+        including the first stop token, and only it is in the loss mask (earlier assistant turns are prompt)."""
         s = self.s
         msgs = list(record.messages)
         try:
             if s.mode == "regenerate":
                 while msgs and msgs[-1]["role"] == "assistant":
                     msgs.pop()
-                ids = self._render(msgs)
+                ids = self._ids(self._render(msgs))
                 if len(ids) > s.max_prompt_tokens or len(ids) >= s.max_length:
                     limits = f"max_prompt_tokens {s.max_prompt_tokens}, max_length {s.max_length}"
                     return f"prompt too long ({len(ids)} tokens; {limits})"
                 return ids, None
             if not record.has_response:
                 return "no response to capture (capture mode needs a final assistant turn)"
-            prefix = self._render(msgs[:-1])
-            full = self._render(msgs, add_generation_prompt=False)
+            prefix_text, full_text = self._render(msgs[:-1]), self._render(msgs, add_generation_prompt=False)
         except Exception as e:  # noqa: BLE001 - a template that cannot render this record rejects it
             return f"chat template failed: {type(e).__name__}: {str(e)[:200]}"
-        if full[: len(prefix)] != prefix:
+        if not full_text.startswith(prefix_text):
             return "chat template renders the response inconsistently with the generation prompt"
-        end = next((i + 1 for i in range(len(prefix), len(full)) if full[i] in self.stop_ids), len(full))
-        full = full[:end]  # up to and including the response's stop token, as regeneration would end
-        if len(prefix) > s.max_prompt_tokens or len(full) > s.max_length:
-            lengths = f"{len(prefix)} prompt + {len(full) - len(prefix)} response tokens"
+        prefix = self._ids(prefix_text)
+        response = self._response_ids(prefix, prefix_text, full_text[len(prefix_text) :])
+        if len(prefix) > s.max_prompt_tokens or len(prefix) + len(response) > s.max_length:
+            lengths = f"{len(prefix)} prompt + {len(response)} response tokens"
             return f"sequence too long ({lengths}; max_length {s.max_length})"
-        if len(full) == len(prefix):
+        if not response:
             return "empty response"
-        return full, [i >= len(prefix) for i in range(len(full))]
+        return prefix + response, [False] * len(prefix) + [True] * len(response)
+
+    def _response_ids(self, prefix: list[int], prefix_text: str, response_text: str) -> list[int]:
+        """The response's tokens after the prompt's, cut after the first stop token as regeneration would end: as
+        the whole rendering encodes them, or, where that encoding merges across the boundary (a response that
+        starts with whitespace joins the generation prompt's newline), the response text encoded on its own. The
+        prompt's tokens are never re-encoded: they are the ones regeneration feeds."""
+        whole = self._ids(prefix_text + response_text)
+        ids = whole[len(prefix) :] if whole[: len(prefix)] == prefix else self._ids(response_text)
+        end = next((i + 1 for i, t in enumerate(ids) if t in self.stop_ids), len(ids))
+        return ids[:end]
 
     # --- a task ------------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from flashdraft.config import SamplingConfig
 from flashdraft.prompts import PromptSourceUnavailable, load_prompts
 from flashdraft.store import StoreError, StoreReader, read_manifest, read_rejects, verify_store
 from flashdraft.store.files import SHARDS
-from flashdraft.target import capture_features, load_tokenizer
+from flashdraft.target import capture_features, chat_input_ids, load_tokenizer
 from pipeline.capture import TargetNaNError, capture, regenerate, regenerate_stream, token_batches
 from pipeline.fleet import FleetConfig, run_fleet
 from pipeline.job import load_records, open_store
@@ -345,3 +345,87 @@ def test_capture_mode_batches_by_token_budget_and_stores_the_same(tmp_path, targ
         a, b = small.read(small.index(seq_id)), large.read(large.index(seq_id))
         assert np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.loss_mask, b.loss_mask)
         assert np.abs(a.features - b.features).max() <= 0.02 * np.abs(b.features).max()
+
+
+def conversation(*turns: str) -> dict:
+    return {"messages": [{"role": ("user", "assistant")[i % 2], "content": t} for i, t in enumerate(turns)]}
+
+
+def test_capture_mode_contract_prompt_as_regeneration_feeds_it_and_only_the_final_turn_as_response(tmp_path, target):
+    """data.mode=capture, for responses written by a serving engine: the stored prompt is, token for token, what
+    regeneration feeds the target for the conversation without its final assistant turn (generation prompt
+    included); the response is the final turn's text encoded, then the stop token, and only it is in the loss mask,
+    not an earlier assistant turn. A response that starts with whitespace (which the whole rendering's encoding
+    would merge into the generation prompt's newline) is kept, not rejected."""
+    lines = [
+        conversation("Name a colour.", "Blue.", "And another one?", "Green, like grass."),
+        conversation("2+2?", "4, of course."),
+        conversation("Indent this.", "\n\n    indented = True"),
+    ]
+    write_jsonl(tmp_path / "chat.jsonl", lines)
+    records, rejects = load_records([str(tmp_path / "chat.jsonl")], split=None)
+    summary = fleet_run(tmp_path / "s", target, records, rejects, mode="capture")
+    assert summary.sequences == 3 and not read_rejects(tmp_path / "s")
+    tok, r = load_tokenizer(target), StoreReader(tmp_path / "s")
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    regenerating = CaptureWorker(str(tmp_path / "s"), settings_for(target))  # regenerate mode: what it would feed
+    for rec, line in zip(records, lines):
+        s = r.read(r.index(rec.seq_id))
+        ids, mask = s.input_ids.tolist(), s.loss_mask.tolist()
+        prompt, _ = regenerating.encode(rec)
+        assert prompt == chat_input_ids(tok, line["messages"][:-1])  # the template, generation prompt included
+        n = len(prompt)
+        assert ids[:n] == prompt
+        assert mask == [False] * n + [True] * (len(ids) - n)
+        assert ids[n:] == tok(line["messages"][-1]["content"], add_special_tokens=False)["input_ids"] + [im_end]
+    multi = r.read(r.index(records[0].seq_id))
+    assert "Blue." in tok.decode(multi.input_ids[~multi.loss_mask])  # the earlier assistant turn is prompt
+    assert tok.decode(multi.input_ids[multi.loss_mask]) == "Green, like grass.<|im_end|>"
+
+
+def build_word_target(folder):
+    """A tiny random Llama with the SmolLM2 tokenizer whose greedy responses are whole words (tokens that decode
+    and encode back to themselves), like a trained model's text."""
+    tok = load_tokenizer("smollm2-135m")
+    model = tiny(vocab=len(tok), seed=1)
+    model.generation_config.eos_token_id = tok.convert_tokens_to_ids("<|im_end|>")
+    with torch.no_grad():
+        for word in (" the", " cat", " sat", " on", " a", " mat", " and", " ran", " far", " away", "\n", ".", " dog"):
+            (i,) = tok(word, add_special_tokens=False)["input_ids"]
+            model.lm_head.weight[i] *= 8
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+def test_regenerated_responses_written_as_a_serving_engine_would_capture_back_the_same(tmp_path):
+    """A greedy regenerate store, its responses decoded to text and written as {"messages": [..., assistant]} lines
+    (what the serving-engine recipe in docs/pipeline.md writes), captured back with mode=capture: the same prompt
+    ids and response tokens for every record; a response cut at max_new_tokens gains the stop token the template
+    closes the turn with (one more loss-mask token)."""
+    target = build_word_target(tmp_path / "t")
+    prompts = [conversation("Tell me a story."), conversation("Hi.", "Hello there.", "Say more about cats.")]
+    write_jsonl(tmp_path / "prompts.jsonl", prompts + [conversation(f"Count to {n}.") for n in range(3, 7)])
+    records, _ = load_records([str(tmp_path / "prompts.jsonl")], split=None)
+    fleet_run(tmp_path / "regen", target, records)
+    tok, regen = load_tokenizer(target), StoreReader(tmp_path / "regen")
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    served, finished = [], []
+    for rec in records:
+        s = regen.read(regen.index(rec.seq_id))
+        response = s.input_ids[s.loss_mask].tolist()
+        finished.append(response[-1] == im_end)
+        text = tok.decode(response[:-1] if finished[-1] else response)
+        assert tok(text, add_special_tokens=False)["input_ids"] == response[: len(response) - finished[-1]]
+        served.append({"messages": [*rec.messages, {"role": "assistant", "content": text}]})
+    write_jsonl(tmp_path / "served.jsonl", served)
+    captured_records, rejects = load_records([str(tmp_path / "served.jsonl")], split=None)
+    fleet_run(tmp_path / "cap", target, captured_records, rejects, mode="capture")
+    cap = StoreReader(tmp_path / "cap")
+    assert len(cap) == len(regen) == len(records) == 6
+    for rec, again, done in zip(records, captured_records, finished):
+        a, b = regen.read(regen.index(rec.seq_id)), cap.read(cap.index(again.seq_id))
+        n = int((~a.loss_mask).sum())
+        assert int((~b.loss_mask).sum()) == n and np.array_equal(a.input_ids[:n], b.input_ids[:n])
+        assert int(b.loss_mask.sum()) == int(a.loss_mask.sum()) + (not done)
+        assert b.input_ids.tolist() == a.input_ids.tolist() + ([] if done else [im_end])
