@@ -429,3 +429,26 @@ def test_regenerated_responses_written_as_a_serving_engine_would_capture_back_th
         assert int((~b.loss_mask).sum()) == n and np.array_equal(a.input_ids[:n], b.input_ids[:n])
         assert int(b.loss_mask.sum()) == int(a.loss_mask.sum()) + (not done)
         assert b.input_ids.tolist() == a.input_ids.tolist() + ([] if done else [im_end])
+
+
+def test_batch_settings_take_auto_or_a_number_from_the_command_line():
+    from hydra import compose, initialize_config_dir
+
+    from flashdraft.config import register_configs
+    from pipeline.__main__ import settings_from
+
+    register_configs()
+    conf = os.path.join(os.path.dirname(__file__), "..", "conf")
+
+    def settings(*overrides):
+        with initialize_config_dir(config_dir=os.path.abspath(conf), version_base=None):
+            return settings_from(compose(config_name="config", overrides=list(overrides)), offline_ok=True)
+
+    default = settings()
+    assert (default.batch_size, default.prefill_tokens, default.gpu_memory_fraction) == ("auto", "auto", 0.85)
+    assert settings("profile=quick").batch_size == 32  # the CPU profiles keep their fixed batch
+    chosen = settings("data.batch_size=64", "data.prefill_tokens=8192", "data.gpu_memory_fraction=0.7")
+    assert (chosen.batch_size, chosen.prefill_tokens, chosen.gpu_memory_fraction) == (64, 8192, 0.7)
+    assert chosen.identity() == default.identity()  # how work is batched is not what a store holds
+    with pytest.raises(ValueError, match="data.batch_size must be a number or auto"):
+        settings("data.batch_size=many")
