@@ -122,6 +122,18 @@ def test_teacher_topk_is_the_fresh_forwards_next_token_distribution(batch_size):
         assert torch.equal(c.teacher[0], ref.indices) and (c.teacher[1] - ref.values).abs().max() < 1e-4
 
 
+def test_joining_prompts_prefilled_in_token_budgeted_groups_decode_the_same():
+    """data.prefill_tokens in regenerate mode (on a GPU): the prompts that join the batch are prefilled in groups
+    of rows x longest <= the budget, then merged; the tokens and states are those of one prefill for all."""
+    model = tiny("qwen3")
+    prompts = [[1, 5, 9, 3], list(range(7, 20)), [2], [4, 4, 4, 4, 4, 4], [8, 9], list(range(30, 52)), [3, 3, 7]]
+    kw = dict(max_new_tokens=[6, 9, 4, 7, 3, 8, 5], stop_ids=[5, 6], pad_id=0, batch_size=4)
+    whole = regenerate(model, prompts, LAYERS, **kw)
+    grouped = regenerate(model, prompts, LAYERS, prefill_tokens=12, **kw)
+    for a, b in zip(whole, grouped):
+        assert torch.equal(a.input_ids, b.input_ids) and (a.features - b.features).abs().max() < 1e-4
+
+
 def test_sampling_is_seeded_and_respects_top_k():
     model = tiny()
     s = SamplingConfig(do_sample=True, temperature=1.5, top_k=3)
