@@ -25,7 +25,7 @@ from pipeline.capture import capture, regenerate_stream, token_batches
 
 CPU_BATCH_SIZE = 8  # data.batch_size auto on a CPU: what a fixed batch_size defaulted to before auto
 CPU_PREFILL_TOKENS = 16384  # data.prefill_tokens auto in capture mode on a CPU
-GPU_ADMIT_TOKENS = 16384  # ... in regenerate mode on a GPU: prompts joining the decode, a prefill (saturates a GPU)
+GPU_ADMIT_TOKENS = 16384  # ... in regenerate mode on a GPU: a prefill of joining prompts, small next to the KV cache
 
 
 @dataclass(frozen=True)
