@@ -102,7 +102,14 @@ class DataConfig:
     # (a plain dict: OmegaConf cannot take a new entry of a dict of dataclasses from the command line)
     figures: dict[str, Any] = field(default_factory=dict)
     capture_tokens_per_s: float = 250.0  # stored tokens one GPU captures a second, for `estimate`'s GPU-hours
-    batch_size: int = 8  # rows decoding together; a row that ends takes the next prompt
+    # rows decoding together (a row that ends takes the next prompt); auto: as many as the free GPU memory holds at
+    # max_length each (flashdraft.target.memory; the worker prints the arithmetic), 8 on a CPU
+    batch_size: Any = "auto"
+    # tokens one prefill holds (rows x longest, padding included): capture mode batches by it, and on a GPU the
+    # prompts joining a regenerate decode prefill in groups of at most it; auto: from the free GPU memory in capture
+    # mode, 16384 otherwise (on a CPU, regenerate: the joining prompts prefill together, unsplit)
+    prefill_tokens: Any = "auto"
+    gpu_memory_fraction: float = 0.85  # of the GPU memory free after the target loads, what auto plans to fill
     shard_size: int = 32  # prompts per fleet task = per store shard
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     store: StoreConfig = field(default_factory=StoreConfig)

@@ -56,6 +56,16 @@ def captured_layer_ids(cfg: DictConfig, offline_ok: bool = False) -> list[int]:
     return capture_layer_ids(config, m.num_target_features, m.layer_ids)
 
 
+def auto_or_int(value, key: str) -> int | str:
+    """A setting that takes a number or `auto`, as CaptureSettings holds it."""
+    if str(value) == "auto":
+        return "auto"
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{key} must be a number or auto, got {value!r}") from None
+
+
 def settings_from(cfg: DictConfig, offline_ok: bool = False) -> CaptureSettings:
     m, d = cfg.model, cfg.data
     return CaptureSettings(
@@ -67,7 +77,9 @@ def settings_from(cfg: DictConfig, offline_ok: bool = False) -> CaptureSettings:
         max_new_tokens=int(d.max_new_tokens),
         max_length=int(d.max_length),
         max_prompt_tokens=int(d.max_prompt_tokens),
-        batch_size=int(d.batch_size),
+        batch_size=auto_or_int(d.batch_size, "data.batch_size"),
+        prefill_tokens=auto_or_int(d.prefill_tokens, "data.prefill_tokens"),
+        gpu_memory_fraction=float(d.gpu_memory_fraction),
         sampling=OmegaConf.to_object(d.sampling),
         seed=int(cfg.seed),
         system_prompt=m.chat.system_prompt,

@@ -28,6 +28,7 @@ from transformers.cache_utils import DynamicLayer
 from flashdraft.config import SamplingConfig
 from flashdraft.sampling import sample, sampling_probs
 from flashdraft.target.capture import LayerTap
+from flashdraft.target.memory import CACHE_HEADROOM
 
 
 class TargetNaNError(RuntimeError):
@@ -102,15 +103,34 @@ def regenerate_stream(
     generator: torch.Generator | None = None,
     batch_size: int | None = None,
     teacher_topk: int = 0,
+    prefill_tokens: int | None = None,
 ):
     """`regenerate` as a generator of (prompt index, Captured), each yielded the step its sequence ends; nothing
-    is kept once yielded, so the caller's memory stays bounded by the batch, not by the number of prompts."""
+    is kept once yielded, so the caller's memory stays bounded by the batch, not by the number of prompts.
+    `prefill_tokens`: the prompts joining the batch are prefilled in groups of at most this many tokens, padding
+    included (`token_batches`); None: all together."""
     limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     if len(limits) != len(prompts) or any(n < 1 for n in limits):
         raise ValueError(f"max_new_tokens must be >= 1 for every prompt, got {limits}")
     sampling = sampling or SamplingConfig()
     decode = _ContinuousDecode(model, prompts, layer_ids, limits, stop_ids, pad_id, sampling, generator, teacher_topk)
-    yield from decode.run(batch_size or max(1, len(prompts)))
+    yield from decode.run(batch_size or max(1, len(prompts)), prefill_tokens)
+
+
+def token_batches(lengths: list[int], budget: int | None) -> list[list[int]]:
+    """Consecutive indices of `lengths` grouped so that rows x longest row <= `budget` (the tokens of a left-padded
+    batch); a sequence longer than the budget goes alone. Sorted lengths pad least. None: one group."""
+    groups: list[list[int]] = []
+    longest = 0
+    for i, n in enumerate(lengths):
+        if groups and budget is not None and (len(groups[-1]) + 1) * max(longest, n) > budget:
+            groups.append([])
+            longest = 0
+        if not groups:
+            groups.append([])
+        groups[-1].append(i)
+        longest = max(longest, n)
+    return groups
 
 
 class _ContinuousDecode:
@@ -128,13 +148,15 @@ class _ContinuousDecode:
         self.cache = self.mask = self.pos = self.tok = self.lengths = self.ending = self.stopped = None
         self.tokens, self.feats, self.teacher = {}, {}, {}
 
-    def run(self, batch_size: int):
+    def run(self, batch_size: int, prefill_tokens: int | None = None):
         """Yield (prompt index, Captured) as sequences end."""
         refill_at = max(1, batch_size // 8)  # free rows worth a prefill
         while self.waiting or self.rows:
             free = batch_size - len(self.rows)
             if self.waiting and (free >= refill_at or not self.rows):
-                self._admit([self.waiting.popleft() for _ in range(min(free, len(self.waiting)))])
+                joining = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
+                for group in token_batches([len(self.prompts[i]) for i in joining], prefill_tokens):
+                    self._admit([joining[g] for g in group])
             yield from self._step()
 
     def _forward(self, **kwargs):
@@ -239,7 +261,7 @@ class _GrowingLayer(DynamicLayer):
             or self.keys.data_ptr() != buf[0].data_ptr()
             or n + k > buf[0].shape[2]
         ):
-            capacity = max(64, 2 * (n + k))
+            capacity = max(64, n + k + int((n + k) * CACHE_HEADROOM))  # bounded, so a batch sized by memory fits
             buf = tuple(x.new_empty(*x.shape[:2], capacity, x.shape[3]) for x in (key_states, value_states))
             buf[0][:, :, :n], buf[1][:, :, :n] = self.keys, self.values
             self._buf = buf

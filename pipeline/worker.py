@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -18,8 +19,13 @@ import torch
 from flashdraft.config import SamplingConfig
 from flashdraft.prompts import PromptRecord
 from flashdraft.store import ShardWriter, StoreLayout, read_manifest, shard_exists
-from flashdraft.target import chat_input_ids, load_target, resolve_dtype, stop_token_ids
-from pipeline.capture import capture, regenerate_stream
+from flashdraft.target import chat_text, load_target, resolve_dtype, stop_token_ids
+from flashdraft.target.memory import DEFAULT_FRACTION, decode_rows, prefill_token_budget
+from pipeline.capture import capture, regenerate_stream, token_batches
+
+CPU_BATCH_SIZE = 8  # data.batch_size auto on a CPU: what a fixed batch_size defaulted to before auto
+CPU_PREFILL_TOKENS = 16384  # data.prefill_tokens auto in capture mode on a CPU
+GPU_ADMIT_TOKENS = 16384  # ... in regenerate mode on a GPU: a prefill of joining prompts, small next to the KV cache
 
 
 @dataclass(frozen=True)
@@ -32,7 +38,9 @@ class CaptureSettings:
     max_new_tokens: int = 1024
     max_length: int = 3072  # prompt + response, tokens
     max_prompt_tokens: int = 2048
-    batch_size: int = 8
+    batch_size: int | str = "auto"  # decode rows, or auto: from the free GPU memory (CPU: CPU_BATCH_SIZE)
+    prefill_tokens: int | str = "auto"  # tokens a prefill holds (rows x longest), or auto (`CaptureWorker.budgets`)
+    gpu_memory_fraction: float = DEFAULT_FRACTION  # of the free GPU memory the auto sizes plan to fill
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     seed: int = 0
     system_prompt: str | None = None
@@ -43,11 +51,20 @@ class CaptureSettings:
     def __post_init__(self):
         if self.mode not in ("regenerate", "capture"):
             raise ValueError(f"capture mode must be 'regenerate' or 'capture', got {self.mode!r}")
+        for key in ("batch_size", "prefill_tokens"):
+            value = getattr(self, key)
+            if value != "auto" and not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"data.{key} must be a positive number or auto, got {value!r}")
+        if not 0 < self.gpu_memory_fraction <= 1:
+            raise ValueError(f"data.gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
 
     def identity(self) -> dict:
         """The settings that define what a store holds (a resumed run must match them)."""
         d = asdict(self)
-        for k in ("device", "batch_size", "torch_threads", "trust_remote_code", "target"):
+        # how and where the work runs, not what it computes; the target is identified by its fingerprint
+        for k in ("device", "batch_size", "prefill_tokens", "gpu_memory_fraction", "torch_threads"):
+            d.pop(k)
+        for k in ("trust_remote_code", "target"):
             d.pop(k)
         d["layer_ids"] = list(self.layer_ids)
         return d
@@ -79,14 +96,62 @@ class CaptureWorker:
         self.stop_ids = stop_token_ids(self.model, self.tokenizer)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (self.stop_ids[0] if self.stop_ids else 0)
+        self.batch_size, self.prefill_tokens, lines = self.budgets()
+        for line in lines:
+            print(f"capture worker {os.getpid()}: {line}", file=sys.stderr, flush=True)
+
+    def budgets(self) -> tuple[int, int | None, list[str]]:
+        """(decode rows, prefill token budget or None for unlimited, one line each saying why). `auto` on a GPU is
+        sized from the memory free once the target is loaded (flashdraft.target.memory); on a CPU it is a fixed
+        default: CPU_BATCH_SIZE rows; in capture mode CPU_PREFILL_TOKENS tokens a prefill, in regenerate mode the
+        joining prompts prefilled together, unsplit, as before these settings existed."""
+        free = torch.cuda.mem_get_info(self.model.device)[0] if self.model.device.type == "cuda" else None
+        prefill, prefill_line = self._prefill_budget(free)
+        if self.s.mode == "capture":
+            return 1, prefill, [prefill_line]
+        rows = self.s.batch_size
+        if rows != "auto":
+            return rows, prefill, [f"decode batch {rows} rows: data.batch_size", prefill_line]
+        if free is None:
+            return CPU_BATCH_SIZE, prefill, [f"decode batch {CPU_BATCH_SIZE} rows: auto on CPU", prefill_line]
+        budget = decode_rows(
+            free,
+            self.model.config,
+            self.model.dtype,
+            self.s.max_length,
+            fraction=self.s.gpu_memory_fraction,
+            prefill_tokens=prefill or 0,
+            captured_layers=len(self.s.layer_ids),
+        )
+        return budget.value, prefill, [budget.line, prefill_line]
+
+    def _prefill_budget(self, free: int | None) -> tuple[int | None, str]:
+        s = self.s
+        if s.prefill_tokens != "auto":
+            return s.prefill_tokens, f"prefill budget {s.prefill_tokens:,} tokens: data.prefill_tokens"
+        if free is None and s.mode == "regenerate":
+            return None, "prefill budget unlimited: auto on CPU (the prompts joining the decode prefill together)"
+        if free is None or s.mode == "regenerate":
+            n = CPU_PREFILL_TOKENS if free is None else GPU_ADMIT_TOKENS
+            return n, f"prefill budget {n:,} tokens: auto on {'CPU' if free is None else 'a GPU, regenerate mode'}"
+        budget = prefill_token_budget(
+            free,
+            self.model.config,
+            self.model.dtype,
+            s.max_length,
+            captured_layers=len(s.layer_ids),
+            fraction=s.gpu_memory_fraction,
+            teacher_topk=self.layout.teacher_topk,
+        )
+        return budget.value, budget.line
 
     def pid(self) -> int:
         return os.getpid()
 
     # --- prompts -> token ids ----------------------------------------------------------------
 
-    def _render(self, messages, add_generation_prompt=True) -> list[int]:
-        return chat_input_ids(
+    def _render(self, messages, add_generation_prompt=True) -> str:
+        return chat_text(
             self.tokenizer,
             list(messages),
             add_generation_prompt=add_generation_prompt,
@@ -94,35 +159,51 @@ class CaptureWorker:
             system_prompt=self.s.system_prompt,
         )
 
+    def _ids(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
     def encode(self, record: PromptRecord) -> tuple[list[int], list[bool] | None] | str:
-        """(prompt ids, None) to regenerate, (sequence ids, loss mask) to capture, or a reject reason."""
+        """(prompt ids, None) to regenerate, (sequence ids, loss mask) to capture, or a reject reason.
+
+        Capture: the prompt is the conversation without its final assistant turn, encoded exactly as regeneration
+        would feed it (generation prompt included); the response is what the template renders after it, up to and
+        including the first stop token, and only it is in the loss mask (earlier assistant turns are prompt)."""
         s = self.s
         msgs = list(record.messages)
         try:
             if s.mode == "regenerate":
                 while msgs and msgs[-1]["role"] == "assistant":
                     msgs.pop()
-                ids = self._render(msgs)
+                ids = self._ids(self._render(msgs))
                 if len(ids) > s.max_prompt_tokens or len(ids) >= s.max_length:
                     limits = f"max_prompt_tokens {s.max_prompt_tokens}, max_length {s.max_length}"
                     return f"prompt too long ({len(ids)} tokens; {limits})"
                 return ids, None
             if not record.has_response:
                 return "no response to capture (capture mode needs a final assistant turn)"
-            prefix = self._render(msgs[:-1])
-            full = self._render(msgs, add_generation_prompt=False)
+            prefix_text, full_text = self._render(msgs[:-1]), self._render(msgs, add_generation_prompt=False)
         except Exception as e:  # noqa: BLE001 - a template that cannot render this record rejects it
             return f"chat template failed: {type(e).__name__}: {str(e)[:200]}"
-        if full[: len(prefix)] != prefix:
+        if not full_text.startswith(prefix_text):
             return "chat template renders the response inconsistently with the generation prompt"
-        end = next((i + 1 for i in range(len(prefix), len(full)) if full[i] in self.stop_ids), len(full))
-        full = full[:end]  # up to and including the response's stop token, as regeneration would end
-        if len(prefix) > s.max_prompt_tokens or len(full) > s.max_length:
-            lengths = f"{len(prefix)} prompt + {len(full) - len(prefix)} response tokens"
+        prefix = self._ids(prefix_text)
+        response = self._response_ids(prefix, prefix_text, full_text[len(prefix_text) :])
+        if len(prefix) > s.max_prompt_tokens or len(prefix) + len(response) > s.max_length:
+            lengths = f"{len(prefix)} prompt + {len(response)} response tokens"
             return f"sequence too long ({lengths}; max_length {s.max_length})"
-        if len(full) == len(prefix):
+        if not response:
             return "empty response"
-        return full, [i >= len(prefix) for i in range(len(full))]
+        return prefix + response, [False] * len(prefix) + [True] * len(response)
+
+    def _response_ids(self, prefix: list[int], prefix_text: str, response_text: str) -> list[int]:
+        """The response's tokens after the prompt's, cut after the first stop token as regeneration would end: as
+        the whole rendering encodes them, or, where that encoding merges across the boundary (a response that
+        starts with whitespace joins the generation prompt's newline), the response text encoded on its own. The
+        prompt's tokens are never re-encoded: they are the ones regeneration feeds."""
+        whole = self._ids(prefix_text + response_text)
+        ids = whole[len(prefix) :] if whole[: len(prefix)] == prefix else self._ids(response_text)
+        end = next((i + 1 for i, t in enumerate(ids) if t in self.stop_ids), len(ids))
+        return ids[:end]
 
     # --- a task ------------------------------------------------------------------------------
 
@@ -146,17 +227,11 @@ class CaptureWorker:
     def _capture(self, encoded, seed: int):
         """(index into `encoded`, Captured) as each sequence is done. Regenerate: one continuously batched decode
         over the task's prompts, in the order sequences end. Capture: one prefill a batch, in order."""
-        ids, layers, topk, size = (
-            [x[1] for x in encoded],
-            list(self.s.layer_ids),
-            self.layout.teacher_topk,
-            self.s.batch_size,
-        )
+        ids, layers, topk = [x[1] for x in encoded], list(self.s.layer_ids), self.layout.teacher_topk
         if self.s.mode == "capture":
-            for b in range(0, len(ids), size):
-                masks = [x[2] for x in encoded[b : b + size]]
-                batch = capture(self.model, ids[b : b + size], masks, layers, pad_id=self.pad_id, teacher_topk=topk)
-                yield from enumerate(batch, start=b)
+            for group in token_batches([len(x) for x in ids], self.prefill_tokens):
+                seqs, masks = [ids[i] for i in group], [encoded[i][2] for i in group]
+                yield from zip(group, capture(self.model, seqs, masks, layers, pad_id=self.pad_id, teacher_topk=topk))
             return
         gen = torch.Generator(device=self.model.device).manual_seed(seed) if self.s.sampling.do_sample else None
         yield from regenerate_stream(
@@ -168,6 +243,7 @@ class CaptureWorker:
             pad_id=self.pad_id,
             sampling=self.s.sampling,
             generator=gen,
-            batch_size=size,
+            batch_size=self.batch_size,
             teacher_topk=topk,
+            prefill_tokens=self.prefill_tokens,
         )

@@ -13,8 +13,8 @@ from flashdraft.config import SamplingConfig
 from flashdraft.prompts import PromptSourceUnavailable, load_prompts
 from flashdraft.store import StoreError, StoreReader, read_manifest, read_rejects, verify_store
 from flashdraft.store.files import SHARDS
-from flashdraft.target import capture_features, load_tokenizer
-from pipeline.capture import TargetNaNError, capture, regenerate, regenerate_stream
+from flashdraft.target import capture_features, chat_input_ids, load_tokenizer
+from pipeline.capture import TargetNaNError, capture, regenerate, regenerate_stream, token_batches
 from pipeline.fleet import FleetConfig, run_fleet
 from pipeline.job import load_records, open_store
 from pipeline.worker import CaptureSettings, CaptureWorker
@@ -120,6 +120,18 @@ def test_teacher_topk_is_the_fresh_forwards_next_token_distribution(batch_size):
         assert (logp[n:] - ref.values[n:]).abs().max() < 1e-4
         assert ids[n:-1, 0].tolist() == r.input_ids[n + 1 :].tolist()
         assert torch.equal(c.teacher[0], ref.indices) and (c.teacher[1] - ref.values).abs().max() < 1e-4
+
+
+def test_joining_prompts_prefilled_in_token_budgeted_groups_decode_the_same():
+    """data.prefill_tokens in regenerate mode (on a GPU): the prompts that join the batch are prefilled in groups
+    of rows x longest <= the budget, then merged; the tokens and states are those of one prefill for all."""
+    model = tiny("qwen3")
+    prompts = [[1, 5, 9, 3], list(range(7, 20)), [2], [4, 4, 4, 4, 4, 4], [8, 9], list(range(30, 52)), [3, 3, 7]]
+    kw = dict(max_new_tokens=[6, 9, 4, 7, 3, 8, 5], stop_ids=[5, 6], pad_id=0, batch_size=4)
+    whole = regenerate(model, prompts, LAYERS, **kw)
+    grouped = regenerate(model, prompts, LAYERS, prefill_tokens=12, **kw)
+    for a, b in zip(whole, grouped):
+        assert torch.equal(a.input_ids, b.input_ids) and (a.features - b.features).abs().max() < 1e-4
 
 
 def test_sampling_is_seeded_and_respects_top_k():
@@ -294,3 +306,161 @@ def test_regenerate_stream_hands_over_each_sequence_as_it_ends():
     got = {first_i: first, **dict(stream)}
     for i, r in enumerate(regenerate(model, prompts, LAYERS, **kw)):
         assert torch.equal(got[i].input_ids, r.input_ids) and torch.equal(got[i].features, r.features)
+
+
+def test_auto_batch_on_cpu_is_8_and_says_so(tmp_path, target, capsys):
+    settings = settings_for(target, batch_size="auto")
+    open_store(tmp_path / "s", settings, sources=["test"], store_options={})
+    worker = CaptureWorker(str(tmp_path / "s"), settings)
+    assert (worker.batch_size, worker.prefill_tokens) == (8, None)  # the CPU regenerate path as before auto
+    err = capsys.readouterr().err
+    assert "decode batch 8 rows: auto on CPU" in err and "prefill budget unlimited: auto on CPU" in err
+    capture_mode = CaptureWorker(str(tmp_path / "s"), settings_for(target, mode="capture", prefill_tokens="auto"))
+    assert capture_mode.prefill_tokens == 16384
+    assert "prefill budget 16,384 tokens: auto on CPU" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="data.batch_size must be a positive number or auto"):
+        settings_for(target, batch_size="many")
+
+
+def test_capture_mode_batches_by_token_budget_and_stores_the_same(tmp_path, target):
+    """Length-sorted sequences go to the target in prefills of rows x longest <= data.prefill_tokens (an over-long
+    one alone); the store holds the same tokens, masks and (to bf16 rounding) features whatever the budget."""
+    answers = ["Yes.", "Seven, counted twice over.", "A list: " + ", ".join(map(str, range(40))), "No", "Maybe so."]
+    lines = [
+        {"messages": [{"role": "user", "content": f"Question {i}?"}, {"role": "assistant", "content": a}]}
+        for i, a in enumerate(answers * 2)
+    ]
+    write_jsonl(tmp_path / "chat.jsonl", lines)
+    records, _ = load_records([str(tmp_path / "chat.jsonl")], split=None)
+    prefills = []
+
+    def note_prefill(module, args):
+        if isinstance(module, torch.nn.Embedding):
+            prefills.append(tuple(args[0].shape))
+
+    stores = {}
+    for budget in (100, 100_000):
+        prefills.clear()
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(note_prefill)
+        try:
+            fleet_run(tmp_path / str(budget), target, records, mode="capture", prefill_tokens=budget, shard_size=10)
+        finally:
+            handle.remove()
+        stores[budget] = r = StoreReader(tmp_path / str(budget))
+        lengths = sorted(len(r.read(i).input_ids) for i in range(len(r)))
+        assert prefills == [(len(g), lengths[g[-1]]) for g in token_batches(lengths, budget)]
+        assert all(rows * width <= budget or rows == 1 for rows, width in prefills), prefills
+    assert len(prefills) == 1 and len(token_batches(lengths, 100)) > 3 and lengths[-1] > 100  # the long one: alone
+    small, large = stores[100], stores[100_000]
+    assert sorted(small.seq_ids) == sorted(large.seq_ids) and len(small) == 10
+    for seq_id in small.seq_ids:
+        a, b = small.read(small.index(seq_id)), large.read(large.index(seq_id))
+        assert np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.loss_mask, b.loss_mask)
+        assert np.abs(a.features - b.features).max() <= 0.02 * np.abs(b.features).max()
+
+
+def conversation(*turns: str) -> dict:
+    return {"messages": [{"role": ("user", "assistant")[i % 2], "content": t} for i, t in enumerate(turns)]}
+
+
+def test_capture_mode_contract_prompt_as_regeneration_feeds_it_and_only_the_final_turn_as_response(tmp_path, target):
+    """data.mode=capture, for responses written by a serving engine: the stored prompt is, token for token, what
+    regeneration feeds the target for the conversation without its final assistant turn (generation prompt
+    included); the response is the final turn's text encoded, then the stop token, and only it is in the loss mask,
+    not an earlier assistant turn. A response that starts with whitespace (which the whole rendering's encoding
+    would merge into the generation prompt's newline) is kept, not rejected."""
+    lines = [
+        conversation("Name a colour.", "Blue.", "And another one?", "Green, like grass."),
+        conversation("2+2?", "4, of course."),
+        conversation("Indent this.", "\n\n    indented = True"),
+    ]
+    write_jsonl(tmp_path / "chat.jsonl", lines)
+    records, rejects = load_records([str(tmp_path / "chat.jsonl")], split=None)
+    summary = fleet_run(tmp_path / "s", target, records, rejects, mode="capture")
+    assert summary.sequences == 3 and not read_rejects(tmp_path / "s")
+    tok, r = load_tokenizer(target), StoreReader(tmp_path / "s")
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    regenerating = CaptureWorker(str(tmp_path / "s"), settings_for(target))  # regenerate mode: what it would feed
+    for rec, line in zip(records, lines):
+        s = r.read(r.index(rec.seq_id))
+        ids, mask = s.input_ids.tolist(), s.loss_mask.tolist()
+        prompt, _ = regenerating.encode(rec)
+        assert prompt == chat_input_ids(tok, line["messages"][:-1])  # the template, generation prompt included
+        n = len(prompt)
+        assert ids[:n] == prompt
+        assert mask == [False] * n + [True] * (len(ids) - n)
+        assert ids[n:] == tok(line["messages"][-1]["content"], add_special_tokens=False)["input_ids"] + [im_end]
+    multi = r.read(r.index(records[0].seq_id))
+    assert "Blue." in tok.decode(multi.input_ids[~multi.loss_mask])  # the earlier assistant turn is prompt
+    assert tok.decode(multi.input_ids[multi.loss_mask]) == "Green, like grass.<|im_end|>"
+
+
+def build_word_target(folder):
+    """A tiny random Llama with the SmolLM2 tokenizer whose greedy responses are whole words (tokens that decode
+    and encode back to themselves), like a trained model's text."""
+    tok = load_tokenizer("smollm2-135m")
+    model = tiny(vocab=len(tok), seed=1)
+    model.generation_config.eos_token_id = tok.convert_tokens_to_ids("<|im_end|>")
+    with torch.no_grad():
+        for word in (" the", " cat", " sat", " on", " a", " mat", " and", " ran", " far", " away", "\n", ".", " dog"):
+            (i,) = tok(word, add_special_tokens=False)["input_ids"]
+            model.lm_head.weight[i] *= 8
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+def test_regenerated_responses_written_as_a_serving_engine_would_capture_back_the_same(tmp_path):
+    """A greedy regenerate store, its responses decoded to text and written as {"messages": [..., assistant]} lines
+    (what the serving-engine recipe in docs/pipeline.md writes), captured back with mode=capture: the same prompt
+    ids and response tokens for every record; a response cut at max_new_tokens gains the stop token the template
+    closes the turn with (one more loss-mask token)."""
+    target = build_word_target(tmp_path / "t")
+    prompts = [conversation("Tell me a story."), conversation("Hi.", "Hello there.", "Say more about cats.")]
+    write_jsonl(tmp_path / "prompts.jsonl", prompts + [conversation(f"Count to {n}.") for n in range(3, 7)])
+    records, _ = load_records([str(tmp_path / "prompts.jsonl")], split=None)
+    fleet_run(tmp_path / "regen", target, records)
+    tok, regen = load_tokenizer(target), StoreReader(tmp_path / "regen")
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    served, finished = [], []
+    for rec in records:
+        s = regen.read(regen.index(rec.seq_id))
+        response = s.input_ids[s.loss_mask].tolist()
+        finished.append(response[-1] == im_end)
+        text = tok.decode(response[:-1] if finished[-1] else response)
+        assert tok(text, add_special_tokens=False)["input_ids"] == response[: len(response) - finished[-1]]
+        served.append({"messages": [*rec.messages, {"role": "assistant", "content": text}]})
+    write_jsonl(tmp_path / "served.jsonl", served)
+    captured_records, rejects = load_records([str(tmp_path / "served.jsonl")], split=None)
+    fleet_run(tmp_path / "cap", target, captured_records, rejects, mode="capture")
+    cap = StoreReader(tmp_path / "cap")
+    assert len(cap) == len(regen) == len(records) == 6
+    for rec, again, done in zip(records, captured_records, finished):
+        a, b = regen.read(regen.index(rec.seq_id)), cap.read(cap.index(again.seq_id))
+        n = int((~a.loss_mask).sum())
+        assert int((~b.loss_mask).sum()) == n and np.array_equal(a.input_ids[:n], b.input_ids[:n])
+        assert int(b.loss_mask.sum()) == int(a.loss_mask.sum()) + (not done)
+        assert b.input_ids.tolist() == a.input_ids.tolist() + ([] if done else [im_end])
+
+
+def test_batch_settings_take_auto_or_a_number_from_the_command_line():
+    from hydra import compose, initialize_config_dir
+
+    from flashdraft.config import register_configs
+    from pipeline.__main__ import settings_from
+
+    register_configs()
+    conf = os.path.join(os.path.dirname(__file__), "..", "conf")
+
+    def settings(*overrides):
+        with initialize_config_dir(config_dir=os.path.abspath(conf), version_base=None):
+            return settings_from(compose(config_name="config", overrides=list(overrides)), offline_ok=True)
+
+    default = settings()
+    assert (default.batch_size, default.prefill_tokens, default.gpu_memory_fraction) == ("auto", "auto", 0.85)
+    assert settings("profile=quick").batch_size == 32  # the CPU profiles keep their fixed batch
+    chosen = settings("data.batch_size=64", "data.prefill_tokens=8192", "data.gpu_memory_fraction=0.7")
+    assert (chosen.batch_size, chosen.prefill_tokens, chosen.gpu_memory_fraction) == (64, 8192, 0.7)
+    assert chosen.identity() == default.identity()  # how work is batched is not what a store holds
+    with pytest.raises(ValueError, match="data.batch_size must be a number or auto"):
+        settings("data.batch_size=many")

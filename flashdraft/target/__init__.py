@@ -2,7 +2,14 @@
 (`head`), hidden-state capture (`capture`), CPU probes and dtypes (`cpu`), exact verification (`exact`)."""
 
 from flashdraft.target.capture import LayerTap, capture_features
-from flashdraft.target.chat import MASK_TOKEN, chat_input_ids, chat_template_hash, choose_mask_token, stop_token_ids
+from flashdraft.target.chat import (
+    MASK_TOKEN,
+    chat_input_ids,
+    chat_template_hash,
+    chat_text,
+    choose_mask_token,
+    stop_token_ids,
+)
 from flashdraft.target.cpu import cpu_bf16_gemm_speedup, cpu_has_bf16_tiles, cpu_has_fast_bf16, resolve_dtype
 from flashdraft.target.exact import (
     EXACT_ATTENTION,
@@ -32,6 +39,7 @@ __all__ = [
     "capture_features",
     "chat_input_ids",
     "chat_template_hash",
+    "chat_text",
     "choose_mask_token",
     "cpu_bf16_gemm_speedup",
     "cpu_has_bf16_tiles",

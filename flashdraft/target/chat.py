@@ -15,7 +15,26 @@ def chat_input_ids(
     enable_thinking: bool | None = None,
     system_prompt: str | None = None,
 ) -> list[int]:
-    """Token ids of `messages` rendered by the tokenizer's chat template.
+    """Token ids of `messages` rendered by the tokenizer's chat template (`chat_text`)."""
+    text = chat_text(
+        tokenizer,
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        enable_thinking=enable_thinking,
+        system_prompt=system_prompt,
+    )
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def chat_text(
+    tokenizer,
+    messages: list[dict],
+    *,
+    add_generation_prompt: bool = True,
+    enable_thinking: bool | None = None,
+    system_prompt: str | None = None,
+) -> str:
+    """`messages` rendered by the tokenizer's chat template, as text.
 
     `system_prompt` is prepended as a system message when the conversation has none;
     `enable_thinking` is passed to templates that know it (Qwen3) and ignored by others.
@@ -29,10 +48,9 @@ def chat_input_ids(
     template = str(getattr(tokenizer, "chat_template", "") or "")
     if enable_thinking is not None and "enable_thinking" in template:
         kwargs["enable_thinking"] = enable_thinking
-    text = tokenizer.apply_chat_template(
+    return tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
     )
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def stop_token_ids(model, tokenizer) -> list[int]:
