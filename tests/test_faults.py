@@ -2,7 +2,10 @@
 checkpoint or manifest can do."""
 
 import ipaddress
+import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,11 +15,16 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 from flashdraft.prompts import load_prompts
+from flashdraft.store import StoreError, StoreReader, read_manifest, verify_store, write_store
+from flashdraft.store.files import MANIFEST
 from pipeline.fleet import FleetConfig, run_fleet
 from pipeline.job import open_store
 from tests.test_pipeline import build_tiny_target, settings_for
+from tests.test_store import make_sequences, small
+from tests.test_trainer_fixtures import metrics, run_training, tiny_store, tiny_target, train_kwargs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -98,7 +106,6 @@ capture({store!r}, {target!r}, on_result=crash)
 """
 
 
-@pytest.mark.slow
 def test_a_sigkilled_driver_leaves_no_ray_process(tmp_path, target):
     pids_file = tmp_path / "pids"
     script = textwrap.dedent(DRIVER).format(
@@ -121,3 +128,57 @@ def test_a_sigkilled_driver_leaves_no_ray_process(tmp_path, target):
             break
         time.sleep(0.5)
     assert not alive, f"still running 20 s after the driver's SIGKILL: {[(p.pid, p.name()) for p in alive]}"
+
+
+@pytest.mark.parametrize("name", ["../../etc", "/etc", "shard-00000/../../x", "shard-1", "shard-00000\n", 7, None])
+def test_a_manifest_shard_name_that_is_not_a_shard_name_is_refused(tmp_path, name):
+    store = tmp_path / "s"
+    write_store(store, make_sequences(), **small())
+    manifest = json.loads((store / MANIFEST).read_text())
+    manifest["shards"][0]["name"] = name
+    (store / MANIFEST).write_text(json.dumps(manifest))
+    for open_it in (read_manifest, StoreReader):
+        with pytest.raises(StoreError, match=rf"{store / MANIFEST} is corrupt: shard name {re.escape(repr(name))} "):
+            open_it(store)
+    problems, _ = verify_store(store, progress=False)
+    assert problems and repr(name) in problems[0]
+
+
+class PlantedCode:
+    """What a planted checkpoint file holds: unpickling it runs `touch MARKER`."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.fixture(scope="module")
+def checkpointed(tmp_path_factory):
+    """A store, a target and the training config of a run that saved a checkpoint at step 2 (ZeRO 1)."""
+    tmp = tmp_path_factory.mktemp("ckpt")
+    target = tiny_target(tmp / "target")
+    store = tiny_store(tmp / "store", target, n=24)
+    run = tmp / "run"
+    kw = train_kwargs(run, store.path, target, epochs=1, max_steps=2, checkpoint_every=2, eval_every=0, zero_stage=1)
+    run_training(run, kw)
+    return run, kw
+
+
+@pytest.mark.parametrize("planted", ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"])
+def test_a_resume_from_a_planted_checkpoint_file_refuses_it_and_runs_nothing(checkpointed, tmp_path, planted):
+    run, kw = checkpointed
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    kw = {**kw, "out_dir": str(copy / "run"), "drafter_dir": str(copy / "drafter")}
+    ckpt = copy / "run" / "checkpoints" / "step-00000002"
+    marker = tmp_path / "marker"
+    torch.save({"module": PlantedCode(marker)}, ckpt / planted)
+    with pytest.raises(AssertionError) as failed:
+        run_training(copy, kw)
+    out = str(failed.value)
+    assert "UnsafeCheckpoint" in out and f"{ckpt / planted}: refused to load" in out, out[-3000:]
+    assert "posix.system" in out  # what it would have run
+    assert not marker.exists()
+    assert len(metrics(copy / "run")) == 2  # nothing trained after the refusal
