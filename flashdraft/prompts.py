@@ -73,28 +73,31 @@ def split_of(seq_id: str, heldout_fraction: float = DEFAULT_HELDOUT_FRACTION) ->
 
 
 def check_messages(messages) -> str | None:
-    """The reason a conversation is unusable, or None if it is fine."""
+    """The reason a conversation is unusable, or None if it is fine. The reason leads with what is wrong and puts
+    the message's position in brackets, so that reasons group by kind in a summary."""
     if not isinstance(messages, list | tuple) or not messages:
         return "empty conversation"
-    expected_user = True
+    previous = None  # the role of the last user/assistant turn
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            return f"message {i} is not a {{role, content}} object"
+            return f"not a {{role, content}} object (message {i})"
         role, content = m["role"], m["content"]
         if role not in ROLES:
-            return f"message {i} has unknown role {role!r}"
+            return f"unknown role {role!r} (message {i})"
         if not isinstance(content, str):
-            return f"message {i} content is not text"
+            return f"content is not text (message {i})"
         if role == "system":
             if i != 0:
-                return f"system message at position {i}"
+                return f"system message not first (message {i})"
             continue
         if not content.strip():
-            return f"message {i} ({role}) is empty"
-        if (role == "user") != expected_user:
-            return f"roles out of order at message {i}: {role} after {'assistant' if expected_user else 'user'}"
-        expected_user = not expected_user
-    if all(m["role"] == "system" for m in messages):
+            return f"{'empty prompt' if role == 'user' else 'empty response'} (message {i})"
+        if previous is None and role == "assistant":
+            return f"conversation starts with an assistant turn (message {i})"
+        if role == previous:
+            return f"roles out of order (message {i}: {role} after {previous})"
+        previous = role
+    if previous is None:
         return "no user message"
     return None
 
@@ -187,8 +190,14 @@ def _row_messages(row: dict) -> list | None:
     return None
 
 
+class EmptyPromptFile(ValueError):
+    """A prompt file with no record in it (no byte, or blank lines only)."""
+
+
 def _rows_to_records(source, rows, heldout_fraction, rejects) -> Iterator[PromptRecord]:
+    empty = True
     for record_id, row, raw in rows:
+        empty = False
         if isinstance(row, str):  # a parse error message
             rejects.append(Reject(source, record_id, row, raw))
             continue
@@ -198,6 +207,8 @@ def _rows_to_records(source, rows, heldout_fraction, rejects) -> Iterator[Prompt
             rejects.append(Reject(source, record_id, reason, raw[:500]))
             continue
         yield _record(source, str(row.get("id", record_id)), msgs, heldout_fraction)
+    if empty:  # a capture of it would make an empty store and say nothing
+        raise EmptyPromptFile(f"prompt file {source} is empty: no record in it")
 
 
 def _jsonl_rows(path: Path):

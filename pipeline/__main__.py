@@ -13,7 +13,8 @@ import os
 import sys
 from pathlib import Path
 
-for _k, _v in (("RAY_AUTH_MODE", "disabled"), ("HF_HUB_ETAG_TIMEOUT", "10"), ("HF_HUB_DOWNLOAD_TIMEOUT", "10")):
+# RAY_AUTH_MODE is the user's: a local instance (pipeline/localray.py) defaults it, a cluster driver follows theirs
+for _k, _v in (("HF_HUB_ETAG_TIMEOUT", "10"), ("HF_HUB_DOWNLOAD_TIMEOUT", "10")):
     os.environ.setdefault(_k, _v)
 
 import hydra  # noqa: E402

@@ -1,6 +1,6 @@
 """The capture fleet: cut prompts into shard tasks, run them on workers, commit, resume, summarise.
 
-Workers are Ray actors (one target each; `ray.init()` local unless an address is given) or, with
+Workers are Ray actors (one target each; a local Ray on loopback unless an address is given) or, with
 `num_actors=0`, one in-process worker. A task whose worker dies is retried on another one; a task
 that fails `max_attempts` times is reported, never looped on. Rerunning the same command skips
 every prompt already in a committed shard (captured or rejected): nothing lost, nothing twice.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from flashdraft.store import (
     write_rejects,
 )
 from pipeline.capture import TargetNaNError
+from pipeline.localray import local_ray
 from pipeline.worker import CaptureSettings, CaptureWorker, Task
 
 
@@ -188,19 +190,36 @@ def _run_inline(store_path, settings, tasks, committed, failed) -> None:
         committed(result)
 
 
+@contextmanager
+def _ray_up(fleet: FleetConfig):
+    """Ray for the run: the caller's if it started one (theirs to stop), the cluster at `ray_address`, or a local
+    instance on loopback that is stopped, all of it, when the run ends or the driver dies."""
+    import ray
+
+    kwargs = dict(include_dashboard=False, log_to_driver=True, logging_level="warning")
+    if ray.is_initialized():
+        yield
+    elif fleet.ray_address:
+        ray.init(address=fleet.ray_address, **kwargs)
+        try:
+            yield
+        finally:
+            ray.shutdown()
+    else:
+        cpus = max(1, int(fleet.num_actors * max(fleet.cpus_per_actor, 1)))
+        with local_ray(num_cpus=cpus, object_store_memory=fleet.object_store_mb << 20, **kwargs):
+            yield
+
+
 def _run_ray(store_path, settings, tasks, fleet: FleetConfig, committed, failed) -> None:
+    with _ray_up(fleet):
+        _drive_actors(store_path, settings, tasks, fleet, committed, failed)
+
+
+def _drive_actors(store_path, settings, tasks, fleet: FleetConfig, committed, failed) -> None:
     import ray
     from ray.exceptions import RayActorError, RayTaskError
 
-    started = False
-    if not ray.is_initialized():
-        kwargs = dict(include_dashboard=False, log_to_driver=True, logging_level="warning")
-        if fleet.ray_address:
-            ray.init(address=fleet.ray_address, **kwargs)
-        else:
-            cpus = max(1, int(fleet.num_actors * max(fleet.cpus_per_actor, 1)))
-            ray.init(num_cpus=cpus, object_store_memory=fleet.object_store_mb << 20, **kwargs)
-        started = True
     Actor = ray.remote(num_cpus=fleet.cpus_per_actor, num_gpus=fleet.gpus_per_actor, max_restarts=0)(CaptureWorker)
     make = lambda: Actor.remote(str(store_path), settings)  # noqa: E731
     actors = [make() for _ in range(fleet.num_actors)]
@@ -238,8 +257,6 @@ def _run_ray(store_path, settings, tasks, fleet: FleetConfig, committed, failed)
     finally:
         for a in actors:
             ray.kill(a)
-        if started:
-            ray.shutdown()
 
 
 def _finish(store_path: Path, writer: StoreWriter, summary: Summary, load_rejects, dupes) -> None:

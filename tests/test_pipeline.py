@@ -187,8 +187,8 @@ def test_bad_input_is_rejected_with_reasons_and_the_rest_is_captured(tmp_path, t
     reasons = [r["reason"] for r in read_rejects(tmp_path / "s")]
     for want in (
         "malformed JSON",
-        "(user) is empty",
-        "roles out of order",
+        "empty prompt (message 0)",
+        "conversation starts with an assistant turn",
         "not UTF-8",
         "prompt too long",
         "duplicate record",
@@ -196,6 +196,7 @@ def test_bad_input_is_rejected_with_reasons_and_the_rest_is_captured(tmp_path, t
     ):
         assert sum(want in r for r in reasons) == 1, (want, reasons)
     assert sum(summary.rejects.values()) == len(reasons) == 7
+    assert {"empty prompt", "conversation starts with an assistant turn"} <= set(summary.rejects), summary.rejects
     r = StoreReader(tmp_path / "s")
     assert len(r) == 2 == summary.sequences and not summary.failed
     assert verify_store(tmp_path / "s", progress=False)[0] == []

@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from flashdraft.prompts import PromptSourceUnavailable, check_messages, load_prompts, split_of
+from flashdraft.prompts import EmptyPromptFile, PromptSourceUnavailable, check_messages, load_prompts, split_of
 
 
 def test_package_shipped_sets():
@@ -59,8 +59,8 @@ def test_jsonl_bad_input_goes_to_rejects(tmp_path):
     assert len(records[1].messages) == 3
     reasons = [r.reason for r in rejects]
     assert any("malformed JSON" in r for r in reasons)
-    assert any("empty" in r for r in reasons)
-    assert any("roles out of order" in r for r in reasons)
+    assert any("empty prompt" in r for r in reasons)
+    assert any("conversation starts with an assistant turn" in r for r in reasons)
     assert any("not UTF-8" in r for r in reasons)
     assert any("no 'messages' or 'prompt'" in r for r in reasons)
     assert any("not a JSON object" in r for r in reasons)
@@ -77,9 +77,36 @@ def test_parquet_source(tmp_path):
 def test_check_messages():
     assert check_messages([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]) is None
     assert "no user" in check_messages([{"role": "system", "content": "s"}])
-    assert "system message at position" in check_messages(
+    assert "system message not first (message 1)" == check_messages(
         [{"role": "user", "content": "u"}, {"role": "system", "content": "s"}]
     )
+
+
+@pytest.mark.parametrize(
+    "messages,reason",
+    [
+        ([("assistant", "a"), ("user", "u")], "conversation starts with an assistant turn (message 0)"),
+        ([("system", "s"), ("assistant", "a")], "conversation starts with an assistant turn (message 1)"),
+        ([("user", "u"), ("user", "v")], "roles out of order (message 1: user after user)"),
+        (
+            [("user", "u"), ("assistant", "a"), ("assistant", "b")],
+            "roles out of order (message 2: assistant after assistant)",
+        ),
+        ([("user", " \n")], "empty prompt (message 0)"),
+        ([("user", "u"), ("assistant", "")], "empty response (message 1)"),
+        ([("user", "u"), ("robot", "r")], "unknown role 'robot' (message 1)"),
+    ],
+)
+def test_check_messages_says_what_is_wrong(messages, reason):
+    assert check_messages([{"role": r, "content": c} for r, c in messages]) == reason
+
+
+@pytest.mark.parametrize("content", [b"", b"\n  \n\n"])
+def test_an_empty_prompt_file_is_an_error_naming_it(tmp_path, content):
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(EmptyPromptFile, match=f"prompt file {path} is empty"):
+        load_prompts(str(path))
 
 
 def test_unknown_and_unreachable_sources(tmp_path):

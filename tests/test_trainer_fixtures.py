@@ -147,7 +147,9 @@ def run_training(tmp: Path, kwargs: dict, nproc: int = 1, timeout: int = 240, en
             str(script),
             str(cfg),
         ]
-    full_env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", **(env or {})}
+    # the code next to these tests, not whichever checkout the virtualenv's editable install points at
+    path = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")) if p)
+    full_env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **(env or {})}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         full_env.pop(k, None)
     if not wait:

@@ -8,13 +8,18 @@
 
 A checkpoint is written under `.tmp-<tag>` and renamed into place; `latest` is replaced atomically
 afterwards, so a crash at any moment leaves the previous checkpoint as `latest`.
+
+A resume unpickles nothing but tensors, builtins and the few DeepSpeed classes its state holds: DeepSpeed loads
+with `torch.load(weights_only=False)`, which runs whatever code a planted file names.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -110,16 +115,70 @@ def read_client_state(root: str | Path, tag: str) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+class UnsafeCheckpoint(RuntimeError):
+    """A checkpoint file that holds more than tensors and DeepSpeed's own state: it is not loaded."""
+
+
+def deepspeed_state_types() -> list:
+    """The classes DeepSpeed's checkpoint files pickle besides tensors and builtins (each file of a checkpoint
+    saved with ZeRO 1, 2 and 3, float32 and bfloat16, loaded with weights_only=True: these were refused)."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, ZeroStageEnum, fragment_address]
+
+
+def load_weights_only(path, map_location=None):
+    """`torch.load` of one checkpoint file that builds tensors, builtins and `deepspeed_state_types()` only."""
+    try:
+        with torch.serialization.safe_globals(deepspeed_state_types()):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        detail = next((line for line in lines if "GLOBAL" in line), lines[0] if lines else "")  # the type refused
+        raise UnsafeCheckpoint(
+            f"{path}: refused to load: it holds more than tensors and DeepSpeed's state ({detail})"
+        ) from e
+
+
+class _WeightsOnlyLoads:
+    """The engine's checkpoint engine, its every `load` through `load_weights_only`; the rest passes through."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def load(self, path, map_location=None):
+        return load_weights_only(path, map_location)
+
+
+@contextmanager
+def _weights_only_loads(engine):
+    """For the duration of a DeepSpeed load: every file DeepSpeed reads for `engine.load_checkpoint` (model,
+    optimizer and ZeRO partition states) goes through its `checkpoint_engine.load`, which is swapped here."""
+    inner = engine.checkpoint_engine
+    engine.checkpoint_engine = _WeightsOnlyLoads(inner)
+    try:
+        yield
+    finally:
+        engine.checkpoint_engine = inner
+
+
 def load_checkpoint(engine, root: str | Path, tag: str) -> dict:
-    """Restore weights, optimizer, scheduler and this rank's RNG; returns the client state."""
-    path, client_state = engine.load_checkpoint(
-        str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
-    )
+    """Restore weights, optimizer, scheduler and this rank's RNG; returns the client state. A file holding more
+    than tensors and DeepSpeed's state raises UnsafeCheckpoint naming it, before any of it runs."""
+    with _weights_only_loads(engine):
+        path, client_state = engine.load_checkpoint(
+            str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
     if path is None:
         raise RuntimeError(f"checkpoint {Path(root) / tag} could not be loaded")
     rng_file = Path(root) / tag / f"rng-rank{_rank()}.pt"
     if rng_file.is_file():
-        rng = torch.load(rng_file, weights_only=True)
+        rng = load_weights_only(rng_file)
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])

@@ -25,6 +25,7 @@ import datetime as _dt
 import fcntl
 import json
 import os
+import re
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,6 +38,7 @@ SHARDS = "shards"
 TMP_PREFIX = ".tmp-"
 LOCK = ".lock"
 SHARD_PREFIX = "shard-"
+SHARD_NAME = re.compile(r"shard-[0-9]{5,}")  # what `shard_name` makes: a manifest's names become read paths
 PART_SUFFIX = ".part"
 _MANIFEST_KEYS = ("format_version", "layer_ids", "hidden_size", "dtype", "shards")
 
@@ -118,9 +120,21 @@ def read_manifest(path: str | Path, *, any_format: bool = False) -> dict:
     missing = [k for k in _MANIFEST_KEYS if k not in manifest]
     if missing:
         raise StoreError(f"{mpath} is corrupt: missing keys {missing}")
+    _check_shard_names(mpath, manifest["shards"])
     if not any_format:
         _check_format(path, manifest["format_version"])
     return manifest
+
+
+def _check_shard_names(mpath: Path, shards) -> None:
+    """Every shard a manifest lists has a name `shard_name` makes: none becomes a path out of `shards/`
+    (`../../etc`, an absolute path) before it is opened."""
+    if not isinstance(shards, list):
+        raise StoreError(f"{mpath} is corrupt: 'shards' is not a list")
+    for entry in shards:
+        name = entry.get("name") if isinstance(entry, dict) else None
+        if not isinstance(name, str) or not SHARD_NAME.fullmatch(name):
+            raise StoreError(f"{mpath} is corrupt: shard name {name!r} is not of the form shard-NNNNN; refused")
 
 
 def _check_format(path: Path, version) -> None:
