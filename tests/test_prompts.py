@@ -175,8 +175,10 @@ def test_the_full_profile_takes_its_per_source_limits_from_hydra():
 
     from hydra import compose, initialize_config_dir
 
+    from flashdraft.config import register_configs
     from pipeline.__main__ import records_from
 
+    register_configs()  # the entry points register the typed schema before composing; so does this test
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base=None):
         cfg = compose(config_name="config", overrides=["data=full"])
     records, _ = records_from(cfg)
