@@ -137,7 +137,7 @@ def write_synthetic(path: Path, sequences, *, shard_size: int, layer_ids, hidden
     return time.perf_counter() - t
 
 
-def store_bytes(path: Path, prefix: str = "layer_") -> int:
+def store_bytes(path: Path, prefix: str = "features") -> int:
     """Bytes on disk of the store's arrays whose names start with `prefix`."""
     return sum(f.stat().st_size for f in Path(path).glob(f"shards/*/{prefix}*/**/*") if f.is_file())
 
@@ -205,10 +205,8 @@ def time_breakdown(data, indices) -> dict:
     """Milliseconds a sequence, one thread, for each stage of a read (5 layers + ids + mask)."""
     import zarr
 
-    from flashdraft.store.format import layer_key
-
     reader = data.readers[0]
-    keys = ["input_ids", "loss_mask"] + [layer_key(x) for x in LAYERS]
+    keys = reader.layout.array_keys()
     arrays = {(s.name, k): zarr.open_array(str(s.dir / k), mode="r") for s in reader._shards for k in keys}
 
     def where(i):
@@ -229,8 +227,8 @@ def time_breakdown(data, indices) -> dict:
     return {
         "plain zarr slices (for comparison)": _per_sequence_ms(plain_zarr, indices),
         "read the inner chunks (crc32c, decompress)": _per_sequence_ms(chunks, indices),
-        "read() as float32 (the loader before)": _per_sequence_ms(reader.read, indices),
-        "read() in the stored bf16 (the loader now)": _per_sequence_ms(data.read, indices),
+        "read() upcast to float32": _per_sequence_ms(reader.read, indices),
+        "read() in the stored bf16 (the loader's)": _per_sequence_ms(data.read, indices),
         "batch(): + anchors, labels, collate": _per_sequence_ms(lambda i: data.batch([i], 0), indices),
     }
 

@@ -3,6 +3,7 @@
 import json
 import os
 import pickle
+import shutil
 
 import numpy as np
 import pytest
@@ -98,10 +99,10 @@ def test_plain_zarr_reads_the_layout(tmp_path):
     off = g.attrs["offsets"]
     a, b = off[2], off[3]
     assert g.attrs["seq_ids"][2] == seqs[2]["seq_id"]
-    bits = g["layer_04"][a:b]
+    bits = g["features"][a:b, H : 2 * H]  # layer 4: the second of layer_ids [1, 4, 7]
     x = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).float()
     assert torch.equal(x, seqs[2]["features"][:, H : 2 * H].to(torch.bfloat16).float())
-    assert g["layer_04"].shards == (480, H) and g["layer_04"].chunks == (16, H)  # one shard over all 476 rows
+    assert g["features"].shards == (480, 3 * H) and g["features"].chunks == (16, 3 * H)  # one shard, all 476 rows
     assert np.array_equal(
         zarr.open_array(str(tmp_path / "s" / SHARDS / "shard-00000" / "input_ids"))[a:b], seqs[2]["input_ids"]
     )
@@ -109,8 +110,8 @@ def test_plain_zarr_reads_the_layout(tmp_path):
 
 @pytest.mark.parametrize("dtype,topk", [("bfloat16", 0), ("float8_e4m3", 4)])
 def test_one_file_per_array_per_shard(tmp_path, dtype, topk):
-    """Format 2: a shard is the group's zarr.json plus, per array, its zarr.json and ONE data file, however many
-    rows (here 476 rows, 30 inner chunks, 8 write blocks of shard_tokens)."""
+    """Format 3: a shard is the group's zarr.json plus, per array, its zarr.json and ONE data file, however many
+    rows (here 476 rows, 30 inner chunks, 8 write blocks of shard_tokens) and layers."""
     seqs = make_sequences()
     if topk:
         for s in seqs:
@@ -119,9 +120,10 @@ def test_one_file_per_array_per_shard(tmp_path, dtype, topk):
     r = write_store(tmp_path / "s", seqs, **{**small(dtype), "teacher_topk": topk})
     shard = tmp_path / "s" / SHARDS / "shard-00000"
     files = [f for _, _, fs in os.walk(shard) for f in fs]
-    n_arrays = len(r.layout.array_keys())  # 5 (bf16) or 10 (fp8 scales, teacher top-k)
+    n_arrays = len(r.layout.array_keys())  # 3 (bf16: ids, mask, features) or 6 (+ fp8 scales, teacher top-k)
     assert len(files) == 1 + 2 * n_arrays == files_per_shard(layout_of(len(LAYERS), dtype, topk))
-    assert files_per_shard(layout_of(3)) == 11 and files_per_shard(layout_of(5)) == 15
+    assert files_per_shard(layout_of(3)) == files_per_shard(layout_of(5)) == 7
+    assert files_per_shard(layout_of(5, "float8_e4m3")) == 9 and files_per_shard(layout_of(5, "float8_e4m3", 8)) == 13
     assert sum(len(ds) for _, ds, _ in os.walk(shard)) == n_arrays  # one folder per array, no chunk folders
     for i, s in enumerate(seqs):
         got = r.read(i, teacher=bool(topk))
@@ -133,29 +135,42 @@ def test_one_file_per_array_per_shard(tmp_path, dtype, topk):
     assert verify_store(tmp_path / "s", progress=False)[0] == []
 
 
-def as_format_1(store):
-    """Rewrite a store in format 1: each array a zarr shard file per shard_tokens rows (chunk folders c/<i>/0)."""
+def as_old_format(store, version):
+    """Rewrite a store in format 1 or 2: an array per layer (and an fp8 scale array per layer); format 1 also puts
+    each array in a zarr shard file per shard_tokens rows (chunk folders c/<i>/0)."""
     m = json.loads((store / MANIFEST).read_text())
+    layer_ids = m["layer_ids"]
     for e in m["shards"]:
         g = zarr.open_group(str(store / SHARDS / e["name"]), mode="r+")
-        for key in list(g.array_keys()):
-            data, old = g[key][:], g[key]
+        arrays = {k: (g[k][:], g[k].compressors, g[k].shards[0]) for k in g.array_keys()}
+        feats, compressors, rows = arrays.pop("features")
+        for j, i in enumerate(layer_ids):
+            arrays[f"layer_{i:02d}"] = (feats[:, j * H : (j + 1) * H], compressors, rows)
+        if "features_scale" in arrays:
+            scales, compressors, rows = arrays.pop("features_scale")
+            for j, i in enumerate(layer_ids):
+                arrays[f"layer_{i:02d}_scale"] = (np.ascontiguousarray(scales[:, j]), compressors, rows)
+        for key in ("features", "features_scale"):
+            shutil.rmtree(store / SHARDS / e["name"] / key, ignore_errors=True)
+        for key, (data, compressors, rows) in arrays.items():
             new = g.create_array(
                 key,
                 shape=data.shape,
                 dtype=data.dtype,
                 chunks=(16, *data.shape[1:]),
-                shards=(64, *data.shape[1:]),
-                compressors=old.compressors[:1],
+                shards=(64 if version == 1 else rows, *data.shape[1:]),
+                compressors=compressors[:1] if version == 1 else compressors,
                 fill_value=0,
                 overwrite=True,
+                chunk_key_encoding={"name": "default"} if version == 1 else {"name": "v2", "separator": "."},
             )
             new[:] = data
-        g.attrs["format_version"] = 1
-    (store / MANIFEST).write_text(json.dumps({**m, "format_version": 1}))
+        g.attrs["format_version"] = version
+    (store / MANIFEST).write_text(json.dumps({**m, "format_version": version}))
 
 
-def test_converts_a_format_1_store(tmp_path):
+@pytest.mark.parametrize("version", [1, 2])
+def test_converts_an_old_store(tmp_path, version):
     seqs = make_sequences() + make_sequences(seed=1)
     w = StoreWriter(tmp_path / "old", **small("float8_e4m3"), manifest_extra={"target": {"name": "tiny"}})
     for k in range(2):
@@ -165,33 +180,36 @@ def test_converts_a_format_1_store(tmp_path):
             sh.reject("bad-1", "too long")
         w.register(sh.info())
     want = [StoreReader(tmp_path / "old").read(i) for i in range(10)]
-    as_format_1(tmp_path / "old")
-    assert os.path.isfile(tmp_path / "old" / SHARDS / "shard-00000" / "layer_04" / "c" / "7" / "0")
-    with pytest.raises(StoreError, match="format 1"):
+    as_old_format(tmp_path / "old", version)
+    old_file = "layer_04/c/7/0" if version == 1 else "layer_04/0.0"
+    assert os.path.isfile(tmp_path / "old" / SHARDS / "shard-00000" / old_file)
+    with pytest.raises(StoreError, match=f"format {version}"):
         StoreReader(tmp_path / "old")
     assert convert_main([str(tmp_path / "old"), str(tmp_path / "new")]) == 0
     r = StoreReader(tmp_path / "new")
     assert r.seq_ids == [s["seq_id"] for s in seqs] and r.manifest["target"] == {"name": "tiny"}
-    assert r.manifest["counts"]["tokens"] == 952 and r.manifest["converted_from"]["format_version"] == 1
+    assert r.manifest["counts"]["tokens"] == 952 and r.manifest["converted_from"]["format_version"] == version
     assert [x["seq_id"] for x in r.manifest["shards"][1]["rejects"]] == ["bad-1"]
-    for i, x in enumerate(want):
+    for i, x in enumerate(want):  # bit for bit: every layer's fp8 values and scales, and the token ids
         got = r.read(i)
         assert torch.equal(got.features, x.features) and np.array_equal(got.input_ids, x.input_ids)
     assert verify_store(tmp_path / "new", progress=False)[0] == []
     files = [f for _, _, fs in os.walk(tmp_path / "new" / SHARDS / "shard-00001") for f in fs]
-    assert len(files) == files_per_shard(layout_of(3, "float8_e4m3")) == 17
+    assert len(files) == files_per_shard(layout_of(3, "float8_e4m3")) == 9
 
 
-def test_refuses_a_format_1_store(tmp_path):
+@pytest.mark.parametrize("version", [1, 2])
+def test_refuses_an_old_store(tmp_path, version):
     write_store(tmp_path / "s", make_sequences(), **small())
     m = json.loads((tmp_path / "s" / MANIFEST).read_text())
-    (tmp_path / "s" / MANIFEST).write_text(json.dumps({**m, "format_version": 1}))
-    msg = rf"{tmp_path / 's'} is a feature store of format 1 \(one file per array per shard_tokens rows\); .*Recapture"
+    (tmp_path / "s" / MANIFEST).write_text(json.dumps({**m, "format_version": version}))
+    msg = rf"{tmp_path / 's'} is a feature store of format {version} \(one file per array per .*\); .*Recapture"
     for open_it in (StoreReader, lambda p: StoreWriter(p, **small())):
         with pytest.raises(StoreError, match=msg):
             open_it(tmp_path / "s")
     problems, _ = verify_store(tmp_path / "s", progress=False)
-    assert len(problems) == 1 and "format 1" in problems[0] and "python -m flashdraft.store.convert" in problems[0]
+    assert len(problems) == 1 and f"format {version}" in problems[0]
+    assert "python -m flashdraft.store.convert" in problems[0]
 
 
 def test_bad_inputs_are_named(tmp_path):
@@ -263,8 +281,8 @@ def test_crashed_shard_is_ignored_and_redone(tmp_path):
 def test_verify_catches_damage(tmp_path):
     write_store(tmp_path / "s", make_sequences(), **small())
     shard = tmp_path / "s" / SHARDS / "shard-00000"
-    data = shard / "layer_04" / "0.0"
-    g = zarr.open_array(str(shard / "layer_04"), mode="r")
+    data = shard / "features" / "0.0"
+    g = zarr.open_array(str(shard / "features"), mode="r")
     index = decode_index(data.read_bytes()[-index_nbytes(30) :], 30)  # 476 rows: 30 inner chunks of 16
     with open(data, "r+b") as f:  # flip a byte inside inner chunk 3 (rows 48..64): its crc32c no longer matches
         f.seek(int(index[3, 0]) + 40)
@@ -273,17 +291,17 @@ def test_verify_catches_damage(tmp_path):
         f.write(bytes([byte[0] ^ 0xFF]))
     problems, _ = verify_store(tmp_path / "s", progress=False)
     assert (
-        len(problems) == 1 and "shard shard-00000: array layer_04: chunk 3 (rows 48..64) is unreadable" in problems[0]
+        len(problems) == 1 and "shard shard-00000: array features: chunk 3 (rows 48..64) is unreadable" in problems[0]
     )
     with pytest.raises(ValueError, match="checksum"):  # plain zarr refuses it too
         g[48:64]
-    assert np.asarray(g[:48]).shape == (48, H)  # the other chunks still read
-    size = os.path.getsize(shard / "layer_07" / "0.0")
-    with open(shard / "layer_07" / "0.0", "r+b") as f:  # damage the shard index at the file's end
+    assert np.asarray(g[:48]).shape == (48, 3 * H)  # the other chunks still read
+    size = os.path.getsize(shard / "loss_mask" / "0")
+    with open(shard / "loss_mask" / "0", "r+b") as f:  # damage the shard index at the file's end
         f.seek(size - 10)
         f.write(b"\x00\x01")
     problems, _ = verify_store(tmp_path / "s", progress=False)
-    assert any("array layer_07: data file " in p and "index checksum mismatch" in p for p in problems), problems
+    assert any("array loss_mask: data file " in p and "index checksum mismatch" in p for p in problems), problems
     ids = shard / "input_ids" / "0"  # an index that lists chunk 5 as never written (zarr reads zeros there)
     index = decode_index(ids.read_bytes()[-index_nbytes(30) :], 30).copy()
     index[5] = 2**64 - 1
@@ -292,9 +310,9 @@ def test_verify_catches_damage(tmp_path):
         f.write(encode_index(index))
     problems, _ = verify_store(tmp_path / "s", progress=False)
     assert "shard shard-00000: array input_ids: chunk 5 (rows 80..96) is missing from the shard index" in problems
-    os.remove(shard / "layer_01" / "0.0")
+    os.remove(shard / "features" / "0.0")
     problems, _ = verify_store(tmp_path / "s", progress=False)
-    assert any("array layer_01: data file shards/shard-00000/layer_01/0.0 is missing" in p for p in problems)
+    assert any("array features: data file shards/shard-00000/features/0.0 is missing" in p for p in problems)
 
     write_store(tmp_path / "m", make_sequences(), **small())
     m = json.loads((tmp_path / "m" / MANIFEST).read_text())
@@ -315,7 +333,7 @@ def test_verify_catches_damage(tmp_path):
 
 def test_a_damaged_chunk_is_refused_on_read_with_its_location(tmp_path):
     write_store(tmp_path / "s", make_sequences(), **small())
-    data = tmp_path / "s" / SHARDS / "shard-00000" / "layer_04" / "0.0"
+    data = tmp_path / "s" / SHARDS / "shard-00000" / "features" / "0.0"
     index = decode_index(data.read_bytes()[-index_nbytes(30) :], 30)
     with open(data, "r+b") as f:  # a byte inside inner chunk 3 (rows 48..64): sequence seq-0-1 (rows 5..105)
         f.seek(int(index[3, 0]) + 40)
@@ -323,10 +341,10 @@ def test_a_damaged_chunk_is_refused_on_read_with_its_location(tmp_path):
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0x01]))
     r = StoreReader(tmp_path / "s")
-    where = rf"{tmp_path / 's'}: shard shard-00000, array layer_04, rows 5..105 \(sequence seq-0-1\) is unreadable"
+    where = rf"{tmp_path / 's'}: shard shard-00000, array features, rows 5..105 \(sequence seq-0-1\) is unreadable"
     with pytest.raises(StoreError, match=where + ".*checksum mismatch"):
         r.read(1)
-    assert r.read(1, layers=[1]).seq_id == "seq-0-1" and r.read(0).seq_id == "seq-0-0"  # the rest still reads
+    assert [r.read(i).seq_id for i in (0, 2, 3, 4)] == ["seq-0-0", "seq-0-2", "seq-0-3", "seq-0-4"]  # the rest reads
 
 
 def test_reader_is_lazy_and_picklable(tmp_path):

@@ -94,7 +94,7 @@ def test_nan_loss_stops_with_a_clear_message(setup, tmp_path):
     # a corrupt store (written around the store's own finiteness check): Inf features -> NaN loss
     import zarr
 
-    arr = zarr.open_array(str(tmp_path / "bad" / "shards" / "shard-00000" / "layer_01"), mode="r+")
+    arr = zarr.open_array(str(tmp_path / "bad" / "shards" / "shard-00000" / "features"), mode="r+")
     arr[:] = np.full(arr.shape, np.inf, dtype=np.float32)
     proc = run_training(tmp_path, train_kwargs(tmp_path, bad.path, target, checkpoint_every=0), wait=False)
     out, _ = proc.communicate(timeout=120)

@@ -1,5 +1,6 @@
-"""Converting a format-1 store (one file per array per `shard_tokens` rows) to the current format (one file per
-array per shard): the same shards, sequences, rejects and provenance, bit for bit the same stored values.
+"""Converting a store of format 1 (an array per layer, a file per `shard_tokens` rows) or 2 (an array per layer, a
+file per shard) to the current format (the layers in one `features` array, a file per array per shard): the same
+shards, sequences, rejects and provenance, bit for bit the same stored values.
 
     python -m flashdraft.store.convert OLD_STORE NEW_STORE
 
@@ -14,10 +15,10 @@ from pathlib import Path
 import numpy as np
 
 from flashdraft.store.files import is_store, read_manifest, read_rejects, read_shard_attrs, shard_dir, write_rejects
-from flashdraft.store.format import FORMAT_VERSION, StoreError, StoreLayout
+from flashdraft.store.format import FEATURE_SCALES, FEATURES, FORMAT_VERSION, StoreError, StoreLayout, layer_key
 from flashdraft.store.writer import StoreWriter
 
-CONVERTS_FROM = (1,)
+CONVERTS_FROM = (1, 2)
 _NOT_COPIED = ("format_version", "created", "updated", "counts", "shards", "layer_ids", "hidden_size", "dtype")
 
 
@@ -53,7 +54,7 @@ def _convert_shard(old: Path, writer: StoreWriter, name: str) -> None:
     import zarr
 
     attrs = read_shard_attrs(old)
-    arrays = {k: zarr.open_array(str(old / k), mode="r") for k in writer.layout.array_specs()}
+    arrays = {k: zarr.open_array(str(old / k), mode="r") for k in old_array_keys(writer.layout)}
     offsets, ids = attrs["offsets"], attrs["seq_ids"]
     with writer.shard(name) as shard:
         j = 0
@@ -61,13 +62,31 @@ def _convert_shard(old: Path, writer: StoreWriter, name: str) -> None:
             k = j  # sequences j..k-1 span at most a write block (or one sequence, if longer)
             while k < len(ids) and (k == j or offsets[k + 1] - offsets[j] <= writer.layout.shard_tokens):
                 k += 1
-            block = {key: np.asarray(a[offsets[j] : offsets[k]]) for key, a in arrays.items()}
+            block = stacked({key: np.asarray(a[offsets[j] : offsets[k]]) for key, a in arrays.items()}, writer.layout)
             for m in range(j, k):
                 a, b = offsets[m] - offsets[j], offsets[m + 1] - offsets[j]
                 shard.append_stored(ids[m], {key: rows[a:b] for key, rows in block.items()})
             j = k
         shard.rejects = list(attrs.get("rejects", []))
     writer.register(shard.info())
+
+
+def old_array_keys(layout: StoreLayout) -> list[str]:
+    """The arrays of a shard of formats 1 and 2: one per layer (and an fp8 scale array per layer)."""
+    keys = ["input_ids", "loss_mask"] + [layer_key(i) for i in layout.layer_ids]
+    if layout.dtype == "float8_e4m3":
+        keys += [layer_key(i) + "_scale" for i in layout.layer_ids]
+    return keys + (["teacher_ids", "teacher_logp"] if layout.teacher_topk else [])
+
+
+def stacked(old_rows: dict, layout: StoreLayout) -> dict:
+    """Rows of the old per-layer arrays as the current arrays: the layers side by side in `features` (and their
+    fp8 scales in `features_scale`), in `layer_ids` order; the other arrays as they are."""
+    rows = {k: v for k, v in old_rows.items() if not k.startswith("layer_")}
+    rows[FEATURES] = np.concatenate([old_rows[layer_key(i)] for i in layout.layer_ids], axis=1)
+    if layout.dtype == "float8_e4m3":
+        rows[FEATURE_SCALES] = np.stack([old_rows[layer_key(i) + "_scale"] for i in layout.layer_ids], axis=1)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:

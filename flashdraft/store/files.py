@@ -8,8 +8,9 @@
                                   shard over all T rows (`0` for 1-D arrays, `0.0` for 2-D: `array_file`)
         input_ids   int32 [T]         all sequences' tokens, flat; sequence j is offsets[j]:offsets[j+1]
         loss_mask   bool  [T]         True on response tokens (generated, EOS included)
-        layer_<i>   [T, H]            output of target decoder layer i (hidden_states[i+1]) per token (`format`)
-        layer_<i>_scale float32 [T]   fp8 only: per-token scale
+        features    [T, L*H]          the outputs of the L captured decoder layers (hidden_states[i+1]) side by
+                                      side, in layer_ids order (`format`)
+        features_scale float32 [T, L] fp8 only: a scale per token and layer
         teacher_ids int32 [T, k]      optional (layout teacher_topk = k > 0): row j holds the target's k most
         teacher_logp float16 [T, k]   likely next tokens after token j and their log-probabilities (soft labels
                                       for token j+1); -inf where not captured (prompt tokens before the last)
@@ -254,7 +255,7 @@ def shards_bytes(store_path: str | Path) -> int:
 
 def files_per_shard(layout: StoreLayout) -> int:
     """Files one committed shard holds in this format, whatever its rows: the group's zarr.json, and per array its
-    zarr.json and its one data file (5 bf16 layers: 7 arrays, 15 files)."""
+    zarr.json and its one data file (bf16: 3 arrays, 7 files; fp8 adds the scales, a teacher top-k two arrays)."""
     return 1 + 2 * len(layout.array_keys())
 
 

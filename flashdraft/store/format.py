@@ -1,14 +1,16 @@
 """What a store's arrays hold: the layout of one capture (layers, hidden size, dtype, chunking, compression) and
 how features are encoded to their stored dtype and back.
 
-Layer i's features are `layer_<i>` [T, H]: uint16 holding bfloat16 bits | float16 | uint8 holding float8_e4m3fn
-bits (with a float32 per-token scale, `layer_<i>_scale` [T]: value = fp8 * scale) | float32.
+The features of all captured layers are one array, `features` [T, L * H], layer after layer in `layer_ids` order
+(columns j*H:(j+1)*H hold layer_ids[j]): uint16 holding bfloat16 bits | float16 | uint8 holding float8_e4m3fn
+bits (with a float32 scale per token and layer, `features_scale` [T, L]: value = fp8 * scale) | float32.
 
-Format 2: every array of a shard is ONE file, a Zarr v3 shard (sharding codec) covering all the shard's rows, made
+Format 3: every array of a shard is ONE file, a Zarr v3 shard (sharding codec) covering all the shard's rows, made
 of inner chunks of `chunk_tokens` rows (the unit of a random read), each compressed (`codec`) and checksummed
 (crc32c), followed by the shard index (offset and length of every inner chunk, crc32c too). The writer streams the
 inner chunks to the file as rows arrive (`encode_chunk`) and appends the index at commit (`encode_index`); plain
-zarr reads the result. Format 1 (one file per array per `shard_tokens` rows) is refused by `files.read_manifest`.
+zarr reads the result. Formats 1 and 2 (an array per layer) are refused by `files.read_manifest`;
+`flashdraft.store.convert` rewrites them.
 """
 
 from __future__ import annotations
@@ -18,11 +20,14 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 FORMAT_NOTES = {  # what each format version laid out, for the error that refuses an old store
-    1: "one file per array per shard_tokens rows",
-    2: "one file per array per shard",
+    1: "one file per array per shard_tokens rows, an array per layer",
+    2: "one file per array per shard, an array per layer",
+    3: "one file per array per shard, the layers in one features array",
 }
+FEATURES = "features"  # [T, L * H] every captured layer's features
+FEATURE_SCALES = "features_scale"  # [T, L] fp8 only
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 # real dtype -> (zarr dtype holding it, bytes per element)
@@ -40,6 +45,7 @@ class StoreError(RuntimeError):
 
 
 def layer_key(layer_id: int) -> str:
+    """Layer i's own array in formats 1 and 2 (`convert` reads them); format 3 stacks the layers in `features`."""
     return f"layer_{int(layer_id):02d}"
 
 
@@ -91,21 +97,18 @@ class StoreLayout:
 
     def array_keys(self) -> list[str]:
         """Every array of a shard of this layout."""
-        keys = ["input_ids", "loss_mask"] + [layer_key(i) for i in self.layer_ids]
-        if self.dtype == "float8_e4m3":
-            keys += [layer_key(i) + "_scale" for i in self.layer_ids]
-        if self.teacher_topk:
-            keys += ["teacher_ids", "teacher_logp"]
-        return keys
+        return list(self.array_specs())
 
     def array_specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         """Every array of a shard: key -> (zarr dtype, shape of one row)."""
-        H, k = self.hidden_size, self.teacher_topk
-        specs = {"input_ids": ("int32", ()), "loss_mask": ("bool", ())}
-        for i in self.layer_ids:
-            specs[layer_key(i)] = (DTYPES[self.dtype][0], (H,))
+        L, k = len(self.layer_ids), self.teacher_topk
+        specs = {
+            "input_ids": ("int32", ()),
+            "loss_mask": ("bool", ()),
+            FEATURES: (DTYPES[self.dtype][0], (L * self.hidden_size,)),
+        }
         if self.dtype == "float8_e4m3":
-            specs.update({layer_key(i) + "_scale": ("float32", ()) for i in self.layer_ids})
+            specs[FEATURE_SCALES] = ("float32", (L,))
         if k:
             specs.update({"teacher_ids": ("int32", (k,)), "teacher_logp": ("float16", (k,))})
         return specs
@@ -184,8 +187,8 @@ def mask_runs(mask: np.ndarray) -> list[int]:
     return edges.tolist()
 
 
-def encode_layer(x: torch.Tensor, dtype: str) -> tuple[np.ndarray, np.ndarray | None]:
-    """[S, H] float tensor -> (stored array, fp8 per-token scales or None)."""
+def encode_features(x: torch.Tensor, num_layers: int, dtype: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """[S, L * H] float tensor -> (stored [S, L * H], fp8 scales [S, L] (one a token and layer) or None)."""
     if dtype == "bfloat16":
         return x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16), None
     if dtype == "float16":
@@ -195,15 +198,18 @@ def encode_layer(x: torch.Tensor, dtype: str) -> tuple[np.ndarray, np.ndarray | 
         return y.numpy(), None
     if dtype == "float32":
         return x.to(torch.float32).numpy(), None
-    amax = x.float().abs().amax(dim=-1)
+    per_layer = x.float().reshape(len(x), num_layers, -1)
+    amax = per_layer.abs().amax(dim=-1)
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (x.float() / scale[:, None]).to(torch.float8_e4m3fn)
+    q = (per_layer / scale[:, :, None]).to(torch.float8_e4m3fn).reshape(len(x), -1)
     return q.view(torch.uint8).numpy(), scale.numpy().astype(np.float32)
 
 
-def decode_layer(stored: np.ndarray, dtype: str, scale: np.ndarray | None = None, upcast: bool = True) -> torch.Tensor:
-    """Stored rows -> features: float32, or with `upcast` False the stored precision where torch has it (bf16,
-    fp16: no conversion, no copy); fp8 is always dequantised to float32."""
+def decode_features(
+    stored: np.ndarray, dtype: str, scale: np.ndarray | None = None, upcast: bool = True
+) -> torch.Tensor:
+    """Stored rows [S, L * H] -> features: float32, or with `upcast` False the stored precision where torch has it
+    (bf16, fp16: no conversion, no copy); fp8 is always dequantised to float32 with its scales [S, L]."""
     if dtype == "bfloat16":
         x = torch.from_numpy(np.ascontiguousarray(stored).view(np.int16)).view(torch.bfloat16)
         return x.float() if upcast else x
@@ -212,5 +218,6 @@ def decode_layer(stored: np.ndarray, dtype: str, scale: np.ndarray | None = None
         return x.float() if upcast else x
     if dtype == "float32":
         return torch.from_numpy(np.ascontiguousarray(stored))
+    scale = torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32))
     x = torch.from_numpy(np.ascontiguousarray(stored)).view(torch.float8_e4m3fn).float()
-    return x * torch.from_numpy(np.ascontiguousarray(scale))[:, None]
+    return (x.reshape(len(x), scale.shape[1], -1) * scale[:, :, None]).reshape(len(x), -1)

@@ -10,7 +10,15 @@ import numpy as np
 import torch
 
 from flashdraft.store.files import array_file, read_manifest, read_shard_attrs, shard_dir
-from flashdraft.store.format import StoreError, StoreLayout, decode_index, decode_layer, index_nbytes, layer_key
+from flashdraft.store.format import (
+    FEATURE_SCALES,
+    FEATURES,
+    StoreError,
+    StoreLayout,
+    decode_features,
+    decode_index,
+    index_nbytes,
+)
 
 INDEX_CACHE = 512  # shard indexes (array x shard) kept in memory: 16 bytes an inner chunk each
 
@@ -144,7 +152,7 @@ class StoreReader:
 
     def read(self, i: int, layers=None, teacher: bool = False, upcast: bool = True) -> StoredSequence:
         """Sequence i with the features of `layers` (default: all), and its teacher top-k if asked. Features are
-        float32, or with `upcast` False in the stored precision where torch has it (bf16, fp16: `decode_layer`)."""
+        float32, or with `upcast` False in the stored precision where torch has it (bf16, fp16: `decode_features`)."""
         if not -len(self) <= i < len(self):
             raise IndexError(f"sequence index {i} out of range for a store of {len(self)}")
         i = int(i) % len(self)
@@ -158,16 +166,16 @@ class StoreReader:
         j = self._index_in[i]
         a, b = int(shard.offsets[j]), int(shard.offsets[j + 1])
         rows = lambda key: self._rows(shard, key, a, b, sid)  # noqa: E731
-        feats = []
-        for layer in layers:
-            k = layer_key(layer)
-            scale = rows(k + "_scale") if self.dtype == "float8_e4m3" else None
-            feats.append(decode_layer(rows(k), self.dtype, scale, upcast))
+        stored, scale = rows(FEATURES), rows(FEATURE_SCALES) if self.dtype == "float8_e4m3" else None
+        if layers != self.layer_ids:  # a subset (or another order): those layers' columns and scales
+            which = [self.layer_ids.index(x) for x in layers]
+            stored = stored.reshape(b - a, len(self.layer_ids), -1)[:, which].reshape(b - a, -1)
+            scale = scale[:, which] if scale is not None else None
         return StoredSequence(
             sid,
             rows("input_ids").astype(np.int64),
             rows("loss_mask").astype(np.bool_),
-            torch.cat(feats, dim=-1) if len(feats) > 1 else feats[0],
+            decode_features(stored, self.dtype, scale, upcast),
             rows("teacher_ids").astype(np.int64) if teacher else None,
             rows("teacher_logp").astype(np.float32) if teacher else None,
         )

@@ -9,7 +9,16 @@ import numpy as np
 import torch
 
 from flashdraft.store.files import array_file, read_manifest, read_shard_attrs, shard_dir, shards_bytes
-from flashdraft.store.format import StoreError, StoreLayout, decode_index, decode_layer, index_nbytes, mask_runs
+from flashdraft.store.format import (
+    FEATURE_SCALES,
+    FEATURES,
+    StoreError,
+    StoreLayout,
+    decode_features,
+    decode_index,
+    index_nbytes,
+    mask_runs,
+)
 
 
 def verify_store(path: str | Path, *, progress: bool = True) -> tuple[list[str], dict]:
@@ -154,11 +163,11 @@ def _locate_bad_chunks(arr, a: int, b: int, where: str, problems: list) -> None:
 
 
 def _check_values(block: np.ndarray, key: str, layout: StoreLayout, where: str, problems: list) -> None:
-    if key.startswith("layer_") and not key.endswith("_scale"):
-        vals = decode_layer(block, layout.dtype, np.ones(len(block), np.float32))
+    if key == FEATURES:
+        vals = decode_features(block, layout.dtype, np.ones((len(block), len(layout.layer_ids)), np.float32))
         if not torch.isfinite(vals).all():
             problems.append(f"{where} hold NaN/Inf")
-    elif key.endswith("_scale") and not (np.isfinite(block).all() and (block > 0).all()):
+    elif key == FEATURE_SCALES and not (np.isfinite(block).all() and (block > 0).all()):
         problems.append(f"{where}: non-positive or non-finite fp8 scales")
 
 

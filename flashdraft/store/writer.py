@@ -35,12 +35,13 @@ from flashdraft.store.files import (
     write_manifest,
 )
 from flashdraft.store.format import (
+    FEATURE_SCALES,
+    FEATURES,
     FORMAT_VERSION,
     StoreError,
     StoreLayout,
+    encode_features,
     encode_index,
-    encode_layer,
-    layer_key,
     mask_runs,
 )
 from flashdraft.store.reader import StoreReader
@@ -139,11 +140,9 @@ class ShardWriter:
         feats = torch.as_tensor(features)
         teacher = self._check(seq_id, ids, mask, feats, teacher)
         rows = {"input_ids": ids.astype(np.int32), "loss_mask": mask}
-        H = self.layout.hidden_size
-        for j, i in enumerate(self.layout.layer_ids):
-            rows[layer_key(i)], scale = encode_layer(feats[:, j * H : (j + 1) * H], self.layout.dtype)
-            if scale is not None:
-                rows[layer_key(i) + "_scale"] = scale
+        rows[FEATURES], scale = encode_features(feats, len(self.layout.layer_ids), self.layout.dtype)
+        if scale is not None:
+            rows[FEATURE_SCALES] = scale
         if teacher is not None:
             rows["teacher_ids"] = teacher[0].to(torch.int32).numpy()
             rows["teacher_logp"] = teacher[1].to(torch.float16).numpy()
