@@ -76,7 +76,8 @@ def next_shard_index(store_path: str | Path) -> int:
     """The index of the first shard name after every shard the store's manifest lists and every shard folder on
     disk (one left unlisted, not adopted, is never written over)."""
     listed = [shard_index(e["name"]) for e in read_manifest(store_path)["shards"]]
-    on_disk = [shard_index(d.name) for d in shards_dir(store_path).iterdir()] if shards_dir(store_path).is_dir() else []
+    folders = shards_dir(store_path).iterdir() if shards_dir(store_path).is_dir() else []
+    on_disk = [shard_index(d.name) for d in folders if SHARD_NAME.fullmatch(d.name)]  # not temp dirs' uids
     return 1 + max([*listed, *on_disk, -1])
 
 
