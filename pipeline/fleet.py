@@ -192,10 +192,10 @@ class _Bookkeeper:
     def stopped(self) -> bool:
         return bool(self.summary.stopped)
 
-    def stop(self, error: BaseException) -> None:
-        """Stop the run: start no other task."""
+    def stop(self, why: str) -> None:
+        """Stop the run: start no other task. `why` points at the FAILED shard line that has the whole error."""
         if not self.summary.stopped:
-            self.summary.stopped = f"{type(error).__name__}: {error}"[:2000]
+            self.summary.stopped = f"the run stopped: {why}"
 
     def not_started(self, queue) -> None:
         """Count the tasks a stopped run leaves in its queue."""
@@ -209,7 +209,7 @@ class _Bookkeeper:
         except StoreError as e:  # the shard is in place; the next run lists it (`adopt_unlisted`)
             summary.failed.append({"shard": info["name"], "attempts": 1, "error": f"committed, not listed: {e}"})
             if is_disk_full(e):
-                self.stop(e)
+                self.stop(f"disk full listing shard {info['name']} (above)")
             return
         summary.shards_done += 1
         summary.new_sequences += info["sequences"]
@@ -232,7 +232,7 @@ class _Bookkeeper:
                 self.committed({"info": self.writer.entry(task.name), "pid": None, "seconds": 0.0})
                 return None
         if is_disk_full(error):
-            self.stop(error)
+            self.stop(f"disk full at shard {task.name} (above)")
             retry = False
         attempts = task.attempt + 1
         if retry and attempts < self.fleet.max_attempts:

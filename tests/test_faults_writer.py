@@ -239,7 +239,7 @@ def test_a_capture_stops_at_the_first_shard_the_disk_cannot_hold_and_resumes_onc
     assert len(failed) == 2, out.stdout[-3000:]
     assert "after 1 attempt(s): DiskFullError: not enough space for shard " + str(store / SHARDS) in failed[0]
     assert "bytes free there; free space or capture into another directory" in failed[0]
-    assert failed[1].startswith("  FAILED: DiskFullError: not enough space") and "shard(s) not started" in failed[1]
+    assert failed[1].startswith("  FAILED: the run stopped: disk full at shard shard-") and "not started)" in failed[1]
     assert leftovers(store) == []
     done = stored_once(store)  # what committed before the disk filled is listed, intact and verifies
     assert 0 < len(done) < len(prompt_ids(limit)) and set(done) <= set(prompt_ids(limit))
