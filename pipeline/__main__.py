@@ -31,6 +31,7 @@ from flashdraft.config import (  # noqa: E402
 from flashdraft.prompts import PromptSourceUnavailable  # noqa: E402
 from flashdraft.spec import capture_layer_ids, check_layer_ids, default_layer_ids  # noqa: E402
 from flashdraft.store import StoreError, StoreLayout, verify_store  # noqa: E402
+from flashdraft.store.lock import writer_lock  # noqa: E402
 from pipeline.fleet import FleetConfig, run_fleet  # noqa: E402
 from pipeline.job import (  # noqa: E402
     estimate,
@@ -145,16 +146,17 @@ def store_path(cfg: DictConfig) -> str:
 
 def capture_command(cfg: DictConfig) -> int:
     features_dir = store_path(cfg)
-    settings = settings_from(cfg)
-    records, rejects = records_from(cfg)
-    print(
-        f"{len(records)} prompts ({cfg.data.split} split) from {list(cfg.data.sources)}, "
-        f"{len(rejects)} rejected on load"
-    )
-    writer = open_store(features_dir, settings, sources=list(cfg.data.sources), store_options=dict(cfg.data.store))
-    summary = run_fleet(features_dir, records, settings, writer, fleet_from(cfg), load_rejects=rejects)
+    with writer_lock(features_dir):  # before anything touches the store: one capture writes it at a time
+        settings = settings_from(cfg)
+        records, rejects = records_from(cfg)
+        print(
+            f"{len(records)} prompts ({cfg.data.split} split) from {list(cfg.data.sources)}, "
+            f"{len(rejects)} rejected on load"
+        )
+        writer = open_store(features_dir, settings, sources=list(cfg.data.sources), store_options=dict(cfg.data.store))
+        summary = run_fleet(features_dir, records, settings, writer, fleet_from(cfg), load_rejects=rejects)
     print("\n".join(summary.lines()))
-    return 1 if summary.failed else 0
+    return 0 if summary.ok else 1
 
 
 def estimate_rows(cfg: DictConfig, settings: CaptureSettings) -> list[dict]:

@@ -4,6 +4,7 @@ Workers are Ray actors (one target each; a local Ray on loopback unless an addre
 `num_actors=0`, one in-process worker. A task whose worker dies is retried on another one; a task
 that fails `max_attempts` times is reported, never looped on. Rerunning the same command skips
 every prompt already in a committed shard (captured or rejected): nothing lost, nothing twice.
+The run holds the store's writer lock (one capture a store); a full disk stops it at once, no retries.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from tqdm import tqdm
 
 from flashdraft.prompts import PromptRecord
 from flashdraft.store import (
+    StoreError,
     StoreWriter,
     committed_seq_ids,
     next_shard_index,
@@ -28,6 +30,9 @@ from flashdraft.store import (
     shards_bytes,
     write_rejects,
 )
+from flashdraft.store.files import shard_dir, shard_seq_ids
+from flashdraft.store.lock import writer_lock
+from flashdraft.store.space import is_disk_full
 from pipeline.capture import TargetNaNError
 from pipeline.localray import local_ray
 from pipeline.worker import CaptureSettings, CaptureWorker, Task
@@ -56,8 +61,15 @@ class Summary:
     shards_done: int = 0
     shards_skipped: int = 0  # prompts already committed by earlier runs
     failed: list = field(default_factory=list)  # {"shard", "attempts", "error"}
+    stopped: str = ""  # why the run stopped before its last task (a full disk), else ""
+    not_run: int = 0  # tasks never started because the run stopped
+    left_alone: list = field(default_factory=list)  # shards found on disk, not listed, and not adopted: why
     rejects: dict = field(default_factory=dict)  # reason -> count, all runs
     wall_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed and not self.stopped
 
     @property
     def bytes_per_token(self) -> float:
@@ -74,8 +86,12 @@ class Summary:
             f"  rejects {sum(self.rejects.values())}"
             + "".join(f"\n    {n:6d}  {r}" for r, n in sorted(self.rejects.items(), key=lambda x: -x[1])),
         ]
+        out += [f"  left alone: {why}" for why in self.left_alone]
         for f in self.failed:
             out.append(f"  FAILED shard {f['shard']} after {f['attempts']} attempt(s): {f['error']}")
+        if self.stopped:
+            left = f" ({self.not_run} shard(s) not started)" if self.not_run else ""
+            out.append(f"  FAILED: {self.stopped}{left}")
         return out
 
 
@@ -117,27 +133,50 @@ def run_fleet(
     progress: bool = True,
 ) -> Summary:
     """Capture `records` into the store `writer` manages. `writer` is opened by the caller
-    (it checks that an existing store holds the same capture)."""
+    (it checks that an existing store holds the same capture). The run holds the store's writer lock
+    (StoreLockedError naming the holder when another capture has it)."""
+    with writer_lock(store_path):
+        return _run_locked(Path(store_path), records, settings, writer, fleet, load_rejects, on_result, progress)
+
+
+def _run_locked(store_path: Path, records, settings, writer, fleet, load_rejects, on_result, progress) -> Summary:
     t0 = time.time()
-    store_path = Path(store_path)
-    for name in writer.unlisted_shards():  # a crash between rename and manifest update
-        writer.adopt(name)
-    writer.remove_temp()
+    summary = Summary(str(store_path))
+    summary.left_alone = adopt_unlisted(writer, {r.seq_id for r in records})
+    writer.remove_temp()  # safe: the writer lock keeps every other capture out
     tasks, dupes = plan_tasks(records, committed_seq_ids(store_path), fleet.shard_size, next_shard_index(store_path))
-    summary = Summary(str(store_path), shards_skipped=len(writer.committed))
+    summary.shards_skipped = len(writer.committed)
     total = sum(len(t.records) for t in tasks)
     bar = tqdm(total=total, unit="seq", desc="capture", disable=not progress, smoothing=0.1)
     book = _Bookkeeper(store_path, writer, fleet, summary, bar, len(tasks), on_result)
     try:
         if tasks and fleet.num_actors == 0:
-            _run_inline(store_path, settings, tasks, book.committed, book.failed)
+            _run_inline(store_path, settings, tasks, book)
         elif tasks:
-            _run_ray(store_path, settings, tasks, fleet, book.committed, book.failed)
+            _run_ray(store_path, settings, tasks, fleet, book)
     finally:
         bar.close()
         summary.wall_s = time.time() - t0
         _finish(store_path, writer, summary, load_rejects, dupes)
     return summary
+
+
+def adopt_unlisted(writer: StoreWriter, run_ids: set[str]) -> list[str]:
+    """List the complete shards on disk that the manifest misses (a crash between rename and manifest update) when
+    they are this run's work: their sequences all among its prompts and none committed yet. Returns why each other
+    one was left alone."""
+    left, done = [], committed_seq_ids(writer.path)
+    for name in writer.unlisted_shards():
+        ids = shard_seq_ids(shard_dir(writer.path, name))
+        if ids <= run_ids and not ids & done:
+            writer.adopt(name)
+            done |= ids
+        else:
+            left.append(
+                f"{shard_dir(writer.path, name)} is not listed and holds {len(ids - run_ids)} sequence id(s) not "
+                f"among this run's prompts, {len(ids & done)} already committed; not adopted"
+            )
+    return left
 
 
 class _Bookkeeper:
@@ -149,9 +188,29 @@ class _Bookkeeper:
         self.store_path, self.writer, self.fleet, self.summary = store_path, writer, fleet, summary
         self.bar, self.tasks, self.on_result, self.t0 = bar, tasks, on_result, time.time()
 
+    @property
+    def stopped(self) -> bool:
+        return bool(self.summary.stopped)
+
+    def stop(self, why: str) -> None:
+        """Stop the run: start no other task. `why` points at the FAILED shard line that has the whole error."""
+        if not self.summary.stopped:
+            self.summary.stopped = f"the run stopped: {why}"
+
+    def not_started(self, queue) -> None:
+        """Count the tasks a stopped run leaves in its queue."""
+        self.summary.not_run += len(queue)
+        queue.clear()
+
     def committed(self, result: dict) -> None:
         info, summary = result["info"], self.summary
-        self.writer.register(info)
+        try:
+            self.writer.register(info)
+        except StoreError as e:  # the shard is in place; the next run lists it (`adopt_unlisted`)
+            summary.failed.append({"shard": info["name"], "attempts": 1, "error": f"committed, not listed: {e}"})
+            if is_disk_full(e):
+                self.stop(f"disk full listing shard {info['name']} (above)")
+            return
         summary.shards_done += 1
         summary.new_sequences += info["sequences"]
         summary.new_tokens += info["tokens"]
@@ -162,11 +221,19 @@ class _Bookkeeper:
             self.on_result(result)
 
     def failed(self, task: Task, error: BaseException, retry: bool) -> Task | None:
-        """The task to queue again, or None: it did commit after all, or it is out of attempts (then reported)."""
-        if shard_exists(self.store_path, task.name):  # it did commit before its worker died
-            self.writer.adopt(task.name)
-            self.committed({"info": self.writer.entry(task.name), "pid": None, "seconds": 0.0})
-            return None
+        """The task to queue again, or None: it did commit after all, or it is out of attempts (then reported).
+        A full disk is reported at its first attempt and stops the run."""
+        if shard_exists(self.store_path, task.name):  # it did commit before its worker died, or it is another's
+            try:
+                self.writer.adopt(task.name, [r.seq_id for r in task.records])
+            except StoreError as e:
+                error, retry = e, False
+            else:
+                self.committed({"info": self.writer.entry(task.name), "pid": None, "seconds": 0.0})
+                return None
+        if is_disk_full(error):
+            self.stop(f"disk full at shard {task.name} (above)")
+            retry = False
         attempts = task.attempt + 1
         if retry and attempts < self.fleet.max_attempts:
             return replace(task, attempt=attempts)
@@ -175,19 +242,22 @@ class _Bookkeeper:
         return None
 
 
-def _run_inline(store_path, settings, tasks, committed, failed) -> None:
+def _run_inline(store_path, settings, tasks, book: _Bookkeeper) -> None:
     worker = CaptureWorker(str(store_path), settings)
     queue = deque(tasks)
     while queue:
+        if book.stopped:
+            book.not_started(queue)
+            return
         task = queue.popleft()
         try:
             result = worker.run(task)
         except Exception as e:  # noqa: BLE001 - reported per shard; the fleet goes on
-            again = failed(task, e, retry=not isinstance(e, TargetNaNError))
+            again = book.failed(task, e, retry=not isinstance(e, TargetNaNError))
             if again is not None:
                 queue.append(again)
             continue
-        committed(result)
+        book.committed(result)
 
 
 @contextmanager
@@ -211,12 +281,12 @@ def _ray_up(fleet: FleetConfig):
             yield
 
 
-def _run_ray(store_path, settings, tasks, fleet: FleetConfig, committed, failed) -> None:
+def _run_ray(store_path, settings, tasks, fleet: FleetConfig, book: _Bookkeeper) -> None:
     with _ray_up(fleet):
-        _drive_actors(store_path, settings, tasks, fleet, committed, failed)
+        _drive_actors(store_path, settings, tasks, fleet, book)
 
 
-def _drive_actors(store_path, settings, tasks, fleet: FleetConfig, committed, failed) -> None:
+def _drive_actors(store_path, settings, tasks, fleet: FleetConfig, book: _Bookkeeper) -> None:
     import ray
     from ray.exceptions import RayActorError, RayTaskError
 
@@ -226,7 +296,7 @@ def _drive_actors(store_path, settings, tasks, fleet: FleetConfig, committed, fa
     queue, inflight = deque(tasks), {}
 
     def submit(slot: int) -> None:
-        if queue:
+        if queue and not book.stopped:
             task = queue.popleft()
             inflight[actors[slot].run.remote(task)] = (task, slot, actors[slot])
 
@@ -242,28 +312,33 @@ def _drive_actors(store_path, settings, tasks, fleet: FleetConfig, committed, fa
             except RayActorError as e:  # the worker process died (killed, OOM, node lost)
                 if actors[slot] is actor:
                     actors[slot] = make()
-                again = failed(task, e, retry=True)
+                again = book.failed(task, e, retry=True)
             except RayTaskError as e:
                 cause = e.cause if getattr(e, "cause", None) is not None else e
-                again = failed(task, cause, retry=not isinstance(cause, TargetNaNError))
+                again = book.failed(task, cause, retry=not isinstance(cause, TargetNaNError))
             else:
-                committed(result)
+                book.committed(result)
                 again = None
             if again is not None:
                 queue.append(again)
             for s in range(len(actors)):  # top every actor up to two queued tasks
                 if sum(1 for _, sl, _ in inflight.values() if sl == s) < 2:
                     submit(s)
+        book.not_started(queue)  # empty unless the run stopped
     finally:
         for a in actors:
             ray.kill(a)
 
 
 def _finish(store_path: Path, writer: StoreWriter, summary: Summary, load_rejects, dupes) -> None:
-    """Rewrite the store's rejects (prompt-file rejects + every committed shard's) and fill the summary."""
+    """Rewrite the store's rejects (prompt-file rejects + every committed shard's) and fill the summary. A full
+    disk here is the summary's FAILED line: the shards committed before it are listed and intact."""
     manifest = read_manifest(store_path)
     rejects = [*load_rejects, *dupes, *shard_rejects(manifest)]
-    write_rejects(store_path, rejects)
+    try:
+        write_rejects(store_path, rejects)
+    except StoreError as e:
+        _not_recorded(summary, "rejects", e)
     c = manifest["counts"]
     summary.sequences, summary.tokens, summary.response_tokens = (
         c["sequences"],
@@ -273,4 +348,15 @@ def _finish(store_path: Path, writer: StoreWriter, summary: Summary, load_reject
     summary.bytes = shards_bytes(store_path)
     summary.rejects = dict(Counter(reject_reason_class(r["reason"]) for r in rejects))
     last_run = {"finished": time.strftime("%Y-%m-%dT%H:%M:%S"), "wall_s": round(summary.wall_s, 2)}
-    writer.update(last_run={**last_run, "failed_shards": summary.failed, "rejects": summary.rejects})
+    try:
+        writer.update(last_run={**last_run, "failed_shards": summary.failed, "rejects": summary.rejects})
+    except StoreError as e:
+        _not_recorded(summary, "last_run", e)
+
+
+def _not_recorded(summary: Summary, what: str, error: StoreError) -> None:
+    """A full disk met while the run writes its record: one more cause on the summary's FAILED line."""
+    if not is_disk_full(error):
+        raise error
+    cause = f"the run's {what} not written: {type(error).__name__}: {error}"
+    summary.stopped = f"{summary.stopped}; {cause}" if summary.stopped else cause

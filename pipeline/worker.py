@@ -19,6 +19,8 @@ import torch
 from flashdraft.config import SamplingConfig
 from flashdraft.prompts import PromptRecord
 from flashdraft.store import ShardWriter, StoreLayout, read_manifest, shard_exists
+from flashdraft.store.files import shard_dir
+from flashdraft.store.space import check_free_space
 from flashdraft.target import chat_text, load_target, resolve_dtype, stop_token_ids
 from flashdraft.target.memory import DEFAULT_FRACTION, decode_rows, prefill_token_budget
 from pipeline.capture import capture, regenerate_stream, token_batches
@@ -210,19 +212,29 @@ class CaptureWorker:
     def run(self, task: Task) -> dict:
         t0 = time.time()
         if shard_exists(self.store_path, task.name):
-            raise FileExistsError(f"shard {task.name} is already committed")
-        encoded = []
+            raise FileExistsError(f"shard {task.name} already exists in {self.store_path}")
+        encoded, rejects = [], []
+        for rec in task.records:
+            e = self.encode(rec)
+            if isinstance(e, str):
+                rejects.append((rec, e))
+            else:
+                encoded.append((rec, *e))
+        check_free_space(shard_dir(self.store_path, task.name), self.layout, self.max_tokens(encoded))
         with ShardWriter(self.store_path, task.name, self.layout) as shard:
-            for rec in task.records:
-                e = self.encode(rec)
-                if isinstance(e, str):
-                    shard.reject(rec.seq_id, e, source=rec.source, record_id=rec.record_id)
-                else:
-                    encoded.append((rec, *e))
+            for rec, reason in rejects:
+                shard.reject(rec.seq_id, reason, source=rec.source, record_id=rec.record_id)
             encoded.sort(key=lambda x: len(x[1]))  # similar lengths batch (and join the batch) with little padding
             for i, out in self._capture(encoded, task_seed(self.s.seed, task.name, 0)):
                 shard.append(encoded[i][0].seq_id, out.input_ids, out.loss_mask, out.features, out.teacher)
         return {"info": shard.info(), "pid": os.getpid(), "seconds": time.time() - t0}
+
+    def max_tokens(self, encoded) -> int:
+        """The most rows the encoded records can make: captured as they are, or each prompt plus its longest
+        response (max_new_tokens, within max_length)."""
+        if self.s.mode == "capture":
+            return sum(len(x[1]) for x in encoded)
+        return sum(min(len(x[1]) + self.s.max_new_tokens, self.s.max_length) for x in encoded)
 
     def _capture(self, encoded, seed: int):
         """(index into `encoded`, Captured) as each sequence is done. Regenerate: one continuously batched decode

@@ -16,6 +16,7 @@
                                       for token j+1); -inf where not captured (prompt tokens before the last)
     shards/.tmp-<name>-<uid>/     a shard being written (data streams into <key>.part); renamed once complete
     .lock                         serialises manifest updates
+    writer.lock                   held (flock) by the one capture writing the store, naming its host, pid and start
 
 Each shard is readable with plain `zarr.open_group(store/"shards"/name)`.
 """
@@ -32,12 +33,15 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from flashdraft.store.format import FORMAT_NOTES, FORMAT_VERSION, StoreError, StoreLayout
+from flashdraft.store.space import naming_disk_full
 
 MANIFEST = "manifest.json"
 REJECTS = "rejects.jsonl"
 SHARDS = "shards"
 TMP_PREFIX = ".tmp-"
 LOCK = ".lock"
+WRITER_LOCK = "writer.lock"
+TMP_SUFFIX = ".tmp"  # a manifest or rejects file being written
 SHARD_PREFIX = "shard-"
 SHARD_NAME = re.compile(r"shard-[0-9]{5,}")  # what `shard_name` makes: a manifest's names become read paths
 PART_SUFFIX = ".part"
@@ -70,8 +74,12 @@ def shard_index(name: str) -> int:
 
 
 def next_shard_index(store_path: str | Path) -> int:
-    """The index of the first shard name after every shard the store's manifest lists."""
-    return 1 + max([shard_index(e["name"]) for e in read_manifest(store_path)["shards"]] + [-1])
+    """The index of the first shard name after every shard the store's manifest lists and every shard folder on
+    disk (one left unlisted, not adopted, is never written over)."""
+    listed = [shard_index(e["name"]) for e in read_manifest(store_path)["shards"]]
+    folders = shards_dir(store_path).iterdir() if shards_dir(store_path).is_dir() else []
+    on_disk = [shard_index(d.name) for d in folders if SHARD_NAME.fullmatch(d.name)]  # not temp dirs' uids
+    return 1 + max([*listed, *on_disk, -1])
 
 
 def temp_shard_dir(store_path: str | Path, name: str) -> Path:
@@ -158,13 +166,24 @@ def write_manifest(path: str | Path, manifest: dict) -> None:
 
 
 def _write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write to a temporary file, fsync, rename over `path`; a failed write removes its temporary file."""
+    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
+    try:
+        with naming_disk_full(path), open(tmp, "w") as f:
+            json.dump(obj, f, indent=1)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def stale_temp_files(store_path: str | Path) -> list[Path]:
+    """Manifest and rejects files a crashed writer left half-written (only the writer lock's holder deletes them)."""
+    root = Path(store_path)
+    return [p for p in root.glob(f"*{TMP_SUFFIX}") if p.name.startswith((MANIFEST, REJECTS))] if root.is_dir() else []
 
 
 @contextmanager
@@ -196,13 +215,17 @@ def shard_is_complete(shard: Path) -> bool:
         return False
 
 
+def shard_seq_ids(shard: Path) -> set[str]:
+    """Every sequence id a shard folder accounts for: captured, or refused and recorded as a reject."""
+    attrs = read_shard_attrs(shard)
+    return set(attrs["seq_ids"]) | {r["seq_id"] for r in attrs.get("rejects", [])}
+
+
 def committed_seq_ids(store_path: str | Path) -> set[str]:
     """Every sequence id the committed shards account for: captured, or refused and recorded as a reject."""
     done = set()
     for entry in read_manifest(store_path)["shards"]:
-        attrs = read_shard_attrs(shard_dir(store_path, entry["name"]))
-        done.update(attrs["seq_ids"])
-        done.update(r["seq_id"] for r in attrs.get("rejects", []))
+        done |= shard_seq_ids(shard_dir(store_path, entry["name"]))
     return done
 
 
@@ -214,11 +237,15 @@ def shard_rejects(manifest: dict) -> list[dict]:
 def write_rejects(store_path: str | Path, rejects) -> None:
     """Replace the store's rejects file with `rejects` (dicts), one JSON object a line."""
     final = Path(store_path) / REJECTS
-    tmp = final.with_name(REJECTS + ".tmp")
-    with open(tmp, "w") as f:
-        for r in rejects:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    tmp.replace(final)
+    tmp = final.with_name(REJECTS + TMP_SUFFIX)
+    try:
+        with naming_disk_full(final), open(tmp, "w") as f:
+            for r in rejects:
+                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        tmp.replace(final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def read_rejects(store_path: str | Path) -> list[dict]:

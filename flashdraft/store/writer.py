@@ -30,7 +30,9 @@ from flashdraft.store.files import (
     shard_exists,
     shard_is_complete,
     shard_name,
+    shard_seq_ids,
     shards_dir,
+    stale_temp_files,
     temp_shard_dir,
     write_manifest,
 )
@@ -45,6 +47,7 @@ from flashdraft.store.format import (
     mask_runs,
 )
 from flashdraft.store.reader import StoreReader
+from flashdraft.store.space import naming_disk_full
 
 # Manifest keys that must agree between a store and a writer that appends to it. The mask token is not one of
 # them: no feature depends on it (stores written when it was are still opened).
@@ -65,7 +68,8 @@ class ShardWriter:
     `chunk_tokens` rows and streamed to one data file per array; commit appends each file's shard index, writes
     the arrays' zarr.json and renames the shard into place. Host memory: one write block, whatever the shard size.
 
-    Use as a context manager: a clean exit commits, an exception aborts (deletes the temp dir).
+    Use as a context manager: a clean exit commits, an exception aborts (deletes the temp dir). A failed write or
+    commit deletes the temp dir too, whoever called it; a full disk raises DiskFullError naming the shard.
     """
 
     def __init__(self, store_path: str | Path, name: str, layout: StoreLayout):
@@ -76,9 +80,15 @@ class ShardWriter:
         if self.final.exists():
             raise StoreError(f"shard {self.final} already exists")
         self.tmp = temp_shard_dir(store_path, name)
-        self.tmp.mkdir(parents=True)
-        self.group = zarr.open_group(str(self.tmp), mode="w", zarr_format=3)
-        self.parts = self._open_parts()
+        self.parts = {}
+        try:
+            with naming_disk_full(self.final):
+                self.tmp.mkdir(parents=True)
+                self.group = zarr.open_group(str(self.tmp), mode="w", zarr_format=3)
+                self.parts = self._open_parts()
+        except BaseException:
+            self.abort()
+            raise
         self.buffers = {k: [] for k in self.parts}
         self.buffered = 0
         self.written = 0
@@ -92,7 +102,9 @@ class ShardWriter:
 
     def _open_parts(self) -> dict:
         """Per array, its data file being streamed: [file, (offset, nbytes) of each inner chunk written]."""
-        return {key: [open(part_file(self.tmp, key), "wb"), []] for key in self.layout.array_keys()}
+        for key in self.layout.array_keys():  # one at a time, so that abort closes those opened when one fails
+            self.parts[key] = [open(part_file(self.tmp, key), "wb"), []]
+        return self.parts
 
     def _write_chunks(self, key: str, data: np.ndarray, final: bool) -> None:
         """Encode `data` (whole inner chunks; when final, the last one padded with zeros) to the array's file."""
@@ -168,7 +180,12 @@ class ShardWriter:
         self.response_tokens += int(rows["loss_mask"].sum())
         self.buffered += S
         if self.buffered >= self.layout.shard_tokens:
-            self._flush(final=False)
+            try:
+                with naming_disk_full(self.final):
+                    self._flush(final=False)
+            except BaseException:  # the data files are cut short: nothing of this shard can be committed
+                self.abort()
+                raise
 
     def _check(self, seq_id, ids, mask, feats, teacher):
         """Refuse a sequence that does not fit the layout; returns its teacher tensors (None without top-k)."""
@@ -219,6 +236,16 @@ class ShardWriter:
         """Flush, fsync, rename into place; returns the shard's manifest entry."""
         if self.closed:
             raise StoreError(f"shard {self.name} is already closed")
+        try:
+            with naming_disk_full(self.final):
+                self._commit()
+        except BaseException:  # a failed write, fsync or rename: the temp dir goes, the shard is not there
+            self.abort()
+            raise
+        self.closed = True
+        return self.info()
+
+    def _commit(self) -> None:
         self._flush(final=True)
         self._finish_arrays()
         self.group.attrs.update(
@@ -238,8 +265,6 @@ class ShardWriter:
         )
         fsync_tree(self.tmp)
         os.rename(self.tmp, self.final)
-        self.closed = True
-        return self.info()
 
     def info(self) -> dict:
         return {
@@ -255,7 +280,10 @@ class ShardWriter:
     def abort(self) -> None:
         self.closed = True
         for f, _ in self.parts.values():
-            f.close()
+            try:
+                f.close()
+            except OSError:  # its buffered bytes do not fit a full disk; they are deleted anyway
+                pass
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def __enter__(self) -> ShardWriter:
@@ -272,8 +300,9 @@ class ShardWriter:
 class StoreWriter:
     """Creates a store (or opens an existing one to add shards) and keeps its manifest.
 
-    Only one process should register shards at a time (a lock file serialises them); any number of
-    processes may write *different* shards concurrently with `ShardWriter(path, name, layout)`.
+    One capture writes a store at a time (it holds `lock.writer_lock` for its run); within it, manifest updates
+    are serialised by a lock file, and any number of processes may write *different* shards concurrently with
+    `ShardWriter(path, name, layout)`.
     """
 
     def __init__(
@@ -376,7 +405,17 @@ class StoreWriter:
             if d.is_dir() and not is_temp(d) and d.name not in listed and shard_is_complete(d)
         ]
 
-    def adopt(self, name: str) -> None:
+    def adopt(self, name: str, seq_ids=None) -> None:
+        """List the complete shard `name` found on disk but not in the manifest. With `seq_ids` (those of the task
+        that was to write it), only when the shard accounts for exactly those: another's shard is left alone."""
+        if seq_ids is not None:
+            found, wanted = shard_seq_ids(shard_dir(self.path, name)), set(seq_ids)
+            if found != wanted:
+                raise StoreError(
+                    f"shard {shard_dir(self.path, name)} exists but is not this task's: it holds {len(found)} sequence "
+                    f"ids, {len(found & wanted)} of the task's {len(wanted)}; left alone, not adopted. Move it out "
+                    "of the store if it does not belong there, then rerun."
+                )
         attrs = read_shard_attrs(shard_dir(self.path, name))
         self.register(
             {
@@ -391,12 +430,16 @@ class StoreWriter:
         )
 
     def remove_temp(self) -> list[str]:
-        """Delete leftovers of crashed shard writers. Call only when no writer is running."""
+        """Delete leftovers of crashed writers: temporary and incomplete shards, half-written manifest and rejects
+        files. Call only holding the writer lock (`lock.writer_lock`), so that no writer is running."""
         gone = []
         for d in shards_dir(self.path).iterdir():
             if is_temp(d) or (d.is_dir() and d.name not in self.committed and not shard_is_complete(d)):
                 shutil.rmtree(d, ignore_errors=True)
                 gone.append(d.name)
+        for f in stale_temp_files(self.path):
+            f.unlink(missing_ok=True)
+            gone.append(f.name)
         return gone
 
 
