@@ -280,6 +280,7 @@ def test_nan_target_fails_its_shard_without_retries(tmp_path):
     summary = fleet_run(tmp_path / "s", target, load_prompts("humaneval", limit=2), max_attempts=3)
     assert [f["attempts"] for f in summary.failed] == [1]
     assert "TargetNaNError" in summary.failed[0]["error"] and "NaN" in summary.failed[0]["error"]
+    assert summary.accounts()["in failed shards"] == summary.read == 2  # still accounted for in the summary
     assert summary.sequences == 0 and os.listdir(tmp_path / "s" / SHARDS) == []
     assert time.time() - t0 < 60
     with pytest.raises(TargetNaNError):
