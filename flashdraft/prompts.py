@@ -12,8 +12,12 @@ Sources (`load_prompts(source)`):
   gsm8k, math500, codealpaca, nemotron-v2-{chat,code,math,stem}
                    hub datasets through `datasets`; `PromptSourceUnavailable` where no hub is reachable
 
-Every record gets `seq_id`, a hash of (source, record id, content), so reruns address the same sequence,
-and `split`, "train" or "heldout", from that hash alone: training never sees evaluation prompts.
+Every record gets `seq_id`, so reruns address the same sequence, and `split`, "train" or "heldout", from that
+hash alone: training never sees evaluation prompts. A built-in source's seq_id hashes (source name, record id,
+content); it is kept as it was, since every existing store and evaluation set is split by it. A file's seq_id hashes
+the normalised conversation alone (`conversation_key`): not its path, line or "id" column, so the same file under
+another path, or a copy, addresses the same sequences. A conversation met a second time, in one source or across the
+sources of one run, is rejected as `duplicate of <seq_id>`: each is stored once.
 """
 
 from __future__ import annotations
@@ -49,6 +53,10 @@ class PromptRecord:
     def has_response(self) -> bool:
         return bool(self.messages) and self.messages[-1]["role"] == "assistant"
 
+    @property
+    def conversation_key(self) -> str:
+        return conversation_key(self.messages, self.followups)
+
 
 @dataclass(frozen=True)
 class Reject:
@@ -61,6 +69,22 @@ class Reject:
 def sequence_id(source: str, record_id: str, messages, followups=()) -> str:
     payload = json.dumps([source, record_id, list(messages), list(followups)], sort_keys=True, ensure_ascii=False)
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:20]
+
+
+FILE_SOURCE = "file"  # what a file's seq_id hashes in place of its path: every file is one kind of source
+
+
+def normalise_text(text: str) -> str:
+    """A turn's text as two copies of one prompt agree on it: newlines as \n (a file saved on Windows has \r\n)
+    and no whitespace at either end (a trailing newline or space). Whitespace inside is kept: in code it matters."""
+    return text.replace("\r\n", "\n").replace("\r", "\n").strip()
+
+
+def conversation_key(messages, followups=()) -> str:
+    """The id of a conversation's content: roles and normalised texts, nothing of where it was read. A file record's
+    seq_id is this; every record's duplicates are found by it."""
+    turns = [{"role": m["role"], "content": normalise_text(m["content"])} for m in messages]
+    return sequence_id(FILE_SOURCE, "", turns, [normalise_text(f) for f in followups])
 
 
 def hash_fraction(key: str) -> float:
@@ -102,9 +126,16 @@ def check_messages(messages) -> str | None:
     return None
 
 
-def _record(source: str, record_id: str, messages, heldout_fraction: float, followups=()) -> PromptRecord:
+def _record(
+    source: str, record_id: str, messages, heldout_fraction: float, followups=(), by_content: bool = False
+) -> PromptRecord:
+    """A record of a built-in source (seq_id from its name, record id and content) or, `by_content`, of a file
+    (seq_id from the content alone). The messages are kept as given: normalising is for ids, not for the target."""
     messages = tuple({"role": m["role"], "content": m["content"]} for m in messages)
-    seq_id = sequence_id(source, record_id, messages, followups)
+    if by_content:
+        seq_id = conversation_key(messages, followups)
+    else:
+        seq_id = sequence_id(source, record_id, messages, followups)
     return PromptRecord(seq_id, source, str(record_id), messages, split_of(seq_id, heldout_fraction), tuple(followups))
 
 
@@ -206,7 +237,7 @@ def _rows_to_records(source, rows, heldout_fraction, rejects) -> Iterator[Prompt
         if reason:
             rejects.append(Reject(source, record_id, reason, raw[:500]))
             continue
-        yield _record(source, str(row.get("id", record_id)), msgs, heldout_fraction)
+        yield _record(source, str(row.get("id", record_id)), msgs, heldout_fraction, by_content=True)
     if empty:  # a capture of it would make an empty store and say nothing
         raise EmptyPromptFile(f"prompt file {source} is empty: no record in it")
 
@@ -292,9 +323,40 @@ def _hub(source, heldout_fraction, rejects) -> Iterator[PromptRecord]:
         yield _record(source, str(n), msgs, heldout_fraction)
 
 
-def iter_prompts(source: str, *, heldout_fraction: float = DEFAULT_HELDOUT_FRACTION, rejects: list | None = None):
-    """Yield every record of `source` (both splits); unusable records go to `rejects`."""
+def duplicate_reason(first: PromptRecord) -> str:
+    """The reject reason of a record whose conversation `first` had: leads with the kept seq_id, then where it was."""
+    return f"duplicate of {first.seq_id} ({first.record_id} of {first.source})"
+
+
+def _first_of_each_conversation(records, rejects: list, seen: dict) -> Iterator[PromptRecord]:
+    """`records` less those whose conversation (`conversation_key`) is in `seen` (key -> the first record of it),
+    which go to `rejects`; `seen` grows, so one dict shared by several sources finds duplicates across them."""
+    for record in records:
+        key = record.conversation_key
+        first = seen.get(key)
+        if first is not None:
+            rejects.append(Reject(record.source, record.record_id, duplicate_reason(first)))
+            continue
+        seen[key] = record
+        yield record
+
+
+def iter_prompts(
+    source: str,
+    *,
+    heldout_fraction: float = DEFAULT_HELDOUT_FRACTION,
+    rejects: list | None = None,
+    seen: dict | None = None,
+):
+    """Yield every record of `source` (both splits); unusable records and repeated conversations (`seen`: the
+    conversations met before, by key; pass one dict to several sources to find duplicates across them) go to
+    `rejects`."""
     rejects = [] if rejects is None else rejects
+    seen = {} if seen is None else seen
+    return _first_of_each_conversation(_source_records(source, heldout_fraction, rejects), rejects, seen)
+
+
+def _source_records(source: str, heldout_fraction: float, rejects: list):
     if source in OFFLINE_SOURCES:
         return OFFLINE_SOURCES[source](heldout_fraction, rejects)
     if source in HUB_SOURCES:
@@ -316,14 +378,19 @@ def load_prompts(
     limit: int | None = None,
     heldout_fraction: float = DEFAULT_HELDOUT_FRACTION,
     rejects: list | None = None,
+    seen: dict | None = None,
+    outside_split: list | None = None,
 ) -> list[PromptRecord]:
-    """Records of `source` in source order, filtered to `split` ("train", "heldout", None/"all")."""
+    """Records of `source` in source order, filtered to `split` ("train", "heldout", None/"all"); the records of the
+    other split that were read before `limit` was reached go to `outside_split` where given (to count them)."""
     if split not in (None, "all", "train", "heldout"):
         raise ValueError(f"split must be train, heldout or all, got {split!r}")
     out = []
-    for record in iter_prompts(source, heldout_fraction=heldout_fraction, rejects=rejects):
+    for record in iter_prompts(source, heldout_fraction=heldout_fraction, rejects=rejects, seen=seen):
         if split in (None, "all") or record.split == split:
             out.append(record)
             if limit is not None and len(out) >= limit:
                 break
+        elif outside_split is not None:
+            outside_split.append(record)
     return out

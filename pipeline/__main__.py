@@ -109,9 +109,16 @@ def data_limit(d: DictConfig):
     return OmegaConf.to_container(d.limit) if isinstance(d.limit, DictConfig) else d.limit
 
 
-def records_from(cfg: DictConfig):
+def records_from(cfg: DictConfig, counts: dict | None = None):
     d = cfg.data
-    return load_records(list(d.sources), split=d.split, limit=data_limit(d), heldout_fraction=float(d.heldout_fraction))
+    return load_records(
+        list(d.sources), split=d.split, limit=data_limit(d), heldout_fraction=float(d.heldout_fraction), counts=counts
+    )
+
+
+def split_words(split: str | None) -> str:
+    """`data.split` as the summary says it: "train split", "all records"."""
+    return "all records" if split in (None, "all") else f"{split} split"
 
 
 OUTPUTS = ("features_dir", "run_dir")  # the store, and where Hydra logs the run
@@ -148,13 +155,24 @@ def capture_command(cfg: DictConfig) -> int:
     features_dir = store_path(cfg)
     with writer_lock(features_dir):  # before anything touches the store: one capture writes it at a time
         settings = settings_from(cfg)
-        records, rejects = records_from(cfg)
+        counts = {}
+        records, rejects = records_from(cfg, counts)
         print(
-            f"{len(records)} prompts ({cfg.data.split} split) from {list(cfg.data.sources)}, "
-            f"{len(rejects)} rejected on load"
+            f"{len(records)} prompts ({split_words(cfg.data.split)}) from {list(cfg.data.sources)}: "
+            f"{counts['read']} read, {len(rejects)} rejected on load (duplicates included), "
+            f"{counts['outside split']} outside the split"
         )
         writer = open_store(features_dir, settings, sources=list(cfg.data.sources), store_options=dict(cfg.data.store))
-        summary = run_fleet(features_dir, records, settings, writer, fleet_from(cfg), load_rejects=rejects)
+        summary = run_fleet(
+            features_dir,
+            records,
+            settings,
+            writer,
+            fleet_from(cfg),
+            load_rejects=rejects,
+            load_counts=counts,
+            split=cfg.data.split,
+        )
     print("\n".join(summary.lines()))
     return 0 if summary.ok else 1
 
@@ -220,8 +238,9 @@ def estimate_command(cfg: DictConfig) -> int:
             f"{r['response_tokens']:,.0f} response) tokens [{r['origin']}]"
         )
     print(
-        f"= {e['prompts']:,} prompts ({d.split} split), {e['tokens']:,} tokens (mean {e['mean_prompt_tokens']:,.0f} "
-        f"prompt + {e['mean_response_tokens']:,.0f} response; at most data.max_length {d.max_length} a sequence)\n"
+        f"= {e['prompts']:,} prompts ({split_words(d.split)}), {e['tokens']:,} tokens "
+        f"(mean {e['mean_prompt_tokens']:,.0f} prompt + {e['mean_response_tokens']:,.0f} response; "
+        f"at most data.max_length {d.max_length} a sequence)\n"
         f"x {len(layout.layer_ids)} layers {list(layout.layer_ids)} x {layout.hidden_size} hidden "
         "(+ input id, loss mask; fp8 + a float32 scale a layer), uncompressed upper bound:"
     )

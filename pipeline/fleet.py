@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from flashdraft.prompts import PromptRecord
+from flashdraft.prompts import PromptRecord, duplicate_reason
 from flashdraft.store import (
     StoreError,
     StoreWriter,
@@ -66,6 +66,38 @@ class Summary:
     left_alone: list = field(default_factory=list)  # shards found on disk, not listed, and not adopted: why
     rejects: dict = field(default_factory=dict)  # reason -> count, all runs
     wall_s: float = 0.0
+    # This run's records: each one read lands in exactly one of `accounts()` (captured, already stored, ...).
+    read: int = 0  # records read from the sources: kept, rejected on load, or outside the split
+    split: str | None = None  # the split asked for (None: all)
+    outside_split: int = 0  # records read that belong to the other split
+    duplicates: int = 0  # conversations met before in this run
+    rejected: dict = field(default_factory=dict)  # this run's rejects but duplicates, reason -> count
+    already_stored: int = 0  # captured or rejected by an earlier run into this store
+    failed_sequences: int = 0  # records of the shards in `failed`
+
+    def accounts(self) -> dict[str, int]:
+        """Where this run's records went; the values add up to `read`."""
+        return {
+            "captured": self.new_sequences,
+            "already in the store": self.already_stored,
+            "duplicates": self.duplicates,
+            "rejected": sum(self.rejected.values()),
+            "outside the split": self.outside_split,
+            "in failed shards": self.failed_sequences,
+        }
+
+    def account_lines(self) -> list[str]:
+        parts = " + ".join(f"{n} {what}" for what, n in self.accounts().items())
+        out = [f"  this run: {self.read} records read = {parts}"]
+        if self.rejected:
+            out.append(
+                "    rejected: " + ", ".join(f"{n} {r}" for r, n in sorted(self.rejected.items(), key=lambda x: -x[1]))
+            )
+        if self.outside_split:
+            other = "heldout" if self.split == "train" else "train"
+            why = " (kept for evaluation; data.split=null captures them too)" if other == "heldout" else ""
+            out.append(f"    outside the split: {self.outside_split} of the {other} split, not captured{why}")
+        return out
 
     @property
     def ok(self) -> bool:
@@ -83,8 +115,9 @@ class Summary:
             f"  bytes on disk {self.bytes / 2**20:.1f} MiB, {self.bytes_per_token:.0f} bytes/token",
             f"  shards committed this run {self.shards_done}; wall {self.wall_s:.1f} s, "
             f"{self.new_tokens / max(self.wall_s, 1e-9):.0f} tokens/s",
-            f"  rejects {sum(self.rejects.values())}"
+            f"  rejects {sum(self.rejects.values())} (all runs)"
             + "".join(f"\n    {n:6d}  {r}" for r, n in sorted(self.rejects.items(), key=lambda x: -x[1])),
+            *self.account_lines(),
         ]
         out += [f"  left alone: {why}" for why in self.left_alone]
         for f in self.failed:
@@ -96,29 +129,34 @@ class Summary:
 
 
 def reject_reason_class(reason: str) -> str:
-    """Group reasons that differ only in details (line numbers, lengths) for the summary."""
+    """Group reasons that differ only in details (line numbers, lengths, the seq_id a duplicate repeats)."""
+    if reason.startswith("duplicate of "):
+        return "duplicate"
     return reason.split(":")[0].split(" (")[0].strip()
 
 
 def plan_tasks(
     records: list[PromptRecord], done: set[str], shard_size: int, first_index: int
-) -> tuple[list[Task], list[dict]]:
-    """Tasks for records not yet done; duplicate seq ids among the records are rejected."""
-    pending, dupes, seen = [], [], set()
+) -> tuple[list[Task], list[dict], int]:
+    """Tasks for records not yet done, the rejects of repeated conversations among the records (load_records finds
+    them as it reads; this catches records put together otherwise) and how many records were done already."""
+    pending, dupes, first_of, already = [], [], {}, 0
     for r in records:
-        if r.seq_id in seen:
-            dupes.append(
-                {"seq_id": r.seq_id, "source": r.source, "record_id": r.record_id, "reason": "duplicate record"}
-            )
+        first = first_of.get(r.conversation_key)
+        if first is not None:  # the same record twice, or another with its conversation
+            reason = duplicate_reason(first)
+            dupes.append({"seq_id": r.seq_id, "source": r.source, "record_id": r.record_id, "reason": reason})
             continue
-        seen.add(r.seq_id)
-        if r.seq_id not in done:
+        first_of[r.conversation_key] = r
+        if r.seq_id in done:
+            already += 1
+        else:
             pending.append(r)
     tasks = [
         Task(shard_name(first_index + k), tuple(pending[i : i + shard_size]))
         for k, i in enumerate(range(0, len(pending), shard_size))
     ]
-    return tasks, dupes
+    return tasks, dupes, already
 
 
 def run_fleet(
@@ -129,23 +167,35 @@ def run_fleet(
     fleet: FleetConfig,
     *,
     load_rejects: list[dict] = (),
+    load_counts: dict | None = None,
+    split: str | None = None,
     on_result=None,
     progress: bool = True,
 ) -> Summary:
     """Capture `records` into the store `writer` manages. `writer` is opened by the caller
-    (it checks that an existing store holds the same capture). The run holds the store's writer lock
-    (StoreLockedError naming the holder when another capture has it)."""
+    (it checks that an existing store holds the same capture). `load_counts` is what load_records counted
+    ("read", "outside split") for `split`; without it the records and `load_rejects` are all that was read. The run
+    holds the store's writer lock (StoreLockedError naming the holder when another capture has it)."""
     with writer_lock(store_path):
-        return _run_locked(Path(store_path), records, settings, writer, fleet, load_rejects, on_result, progress)
+        return _run_locked(
+            Path(store_path), records, settings, writer, fleet, load_rejects, load_counts, split, on_result, progress
+        )
 
 
-def _run_locked(store_path: Path, records, settings, writer, fleet, load_rejects, on_result, progress) -> Summary:
+def _run_locked(
+    store_path: Path, records, settings, writer, fleet, load_rejects, load_counts, split, on_result, progress
+) -> Summary:
     t0 = time.time()
-    summary = Summary(str(store_path))
-    summary.left_alone = adopt_unlisted(writer, {r.seq_id for r in records})
+    left_alone = adopt_unlisted(writer, {r.seq_id for r in records})
     writer.remove_temp()  # safe: the writer lock keeps every other capture out
-    tasks, dupes = plan_tasks(records, committed_seq_ids(store_path), fleet.shard_size, next_shard_index(store_path))
-    summary.shards_skipped = len(writer.committed)
+    tasks, dupes, already = plan_tasks(
+        records, committed_seq_ids(store_path), fleet.shard_size, next_shard_index(store_path)
+    )
+    counts = load_counts or {"read": len(records) + len(load_rejects), "outside split": 0}
+    summary = Summary(str(store_path), shards_skipped=len(writer.committed), split=split, already_stored=already)
+    summary.left_alone = left_alone
+    summary.read, summary.outside_split = counts["read"], counts["outside split"]
+    _count_rejects(summary, [*load_rejects, *dupes])
     total = sum(len(t.records) for t in tasks)
     bar = tqdm(total=total, unit="seq", desc="capture", disable=not progress, smoothing=0.1)
     book = _Bookkeeper(store_path, writer, fleet, summary, bar, len(tasks), on_result)
@@ -214,6 +264,7 @@ class _Bookkeeper:
         summary.shards_done += 1
         summary.new_sequences += info["sequences"]
         summary.new_tokens += info["tokens"]
+        _count_rejects(summary, info.get("rejects", []))
         self.bar.update(info["sequences"] + len(info.get("rejects", [])))
         rate = summary.new_tokens / (time.time() - self.t0)
         self.bar.set_postfix(shards=f"{summary.shards_done}/{self.tasks}", tok_s=f"{rate:.0f}")
@@ -238,7 +289,10 @@ class _Bookkeeper:
         if retry and attempts < self.fleet.max_attempts:
             return replace(task, attempt=attempts)
         error = f"{type(error).__name__}: {error}"[:2000]
-        self.summary.failed.append({"shard": task.name, "attempts": attempts, "error": error})
+        self.summary.failed.append(
+            {"shard": task.name, "attempts": attempts, "error": error, "sequences": len(task.records)}
+        )
+        self.summary.failed_sequences += len(task.records)
         return None
 
 
@@ -328,6 +382,16 @@ def _drive_actors(store_path, settings, tasks, fleet: FleetConfig, book: _Bookke
     finally:
         for a in actors:
             ray.kill(a)
+
+
+def _count_rejects(summary: Summary, rejects) -> None:
+    """Add this run's `rejects` to the summary's duplicates or, by reason class, to its rejected."""
+    for r in rejects:
+        reason = reject_reason_class(r["reason"])
+        if reason == "duplicate":
+            summary.duplicates += 1
+        else:
+            summary.rejected[reason] = summary.rejected.get(reason, 0) + 1
 
 
 def _finish(store_path: Path, writer: StoreWriter, summary: Summary, load_rejects, dupes) -> None:

@@ -14,22 +14,39 @@ from pipeline.worker import CaptureSettings
 
 
 def load_records(
-    sources, *, split: str | None = "train", limit: int | Mapping | None = None, heldout_fraction: float = 0.2
+    sources,
+    *,
+    split: str | None = "train",
+    limit: int | Mapping | None = None,
+    heldout_fraction: float = 0.2,
+    counts: dict | None = None,
 ):
-    """Records of every source and the rejects found while reading them.
+    """Records of every source and the rejects found while reading them. A conversation met twice, in one source or
+    across them, is kept once; the others are rejects (`duplicate of <seq_id>`).
 
     `limit` caps each source: one number for all, or a mapping from source to its cap (sources it does not
-    name are not capped).
+    name are not capped). `counts`, where given, gets "read" (records read: kept, rejected, or outside the split)
+    and "outside split" (records of the split not asked for), so that every record read is accounted for.
     """
-    records, rejects = [], []
+    records, rejects, seen, outside = [], [], {}, []
     for source in sources:
         found = []
         cap = source_limit(sources, limit, source)
-        records += load_prompts(str(source), split=split, limit=cap, heldout_fraction=heldout_fraction, rejects=found)
+        records += load_prompts(
+            str(source),
+            split=split,
+            limit=cap,
+            heldout_fraction=heldout_fraction,
+            rejects=found,
+            seen=seen,
+            outside_split=outside,
+        )
         rejects += [
             {"seq_id": None, "source": r.source, "record_id": r.record_id, "reason": r.reason, "raw": r.raw}
             for r in found
         ]
+    if counts is not None:
+        counts.update({"read": len(records) + len(rejects) + len(outside), "outside split": len(outside)})
     return records, rejects
 
 

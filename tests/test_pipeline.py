@@ -191,12 +191,13 @@ def test_bad_input_is_rejected_with_reasons_and_the_rest_is_captured(tmp_path, t
         "conversation starts with an assistant turn",
         "not UTF-8",
         "prompt too long",
-        "duplicate record",
+        f"duplicate of {records[0].seq_id} (line 1 of {src})",
         "not a JSON object",
     ):
         assert sum(want in r for r in reasons) == 1, (want, reasons)
     assert sum(summary.rejects.values()) == len(reasons) == 7
-    assert {"empty prompt", "conversation starts with an assistant turn"} <= set(summary.rejects), summary.rejects
+    assert {"empty prompt", "conversation starts with an assistant turn", "duplicate"} <= set(summary.rejects)
+    assert sum(summary.accounts().values()) == summary.read == 9 and summary.duplicates == 1
     r = StoreReader(tmp_path / "s")
     assert len(r) == 2 == summary.sequences and not summary.failed
     assert verify_store(tmp_path / "s", progress=False)[0] == []
@@ -279,6 +280,7 @@ def test_nan_target_fails_its_shard_without_retries(tmp_path):
     summary = fleet_run(tmp_path / "s", target, load_prompts("humaneval", limit=2), max_attempts=3)
     assert [f["attempts"] for f in summary.failed] == [1]
     assert "TargetNaNError" in summary.failed[0]["error"] and "NaN" in summary.failed[0]["error"]
+    assert summary.accounts()["in failed shards"] == summary.read == 2  # still accounted for in the summary
     assert summary.sequences == 0 and os.listdir(tmp_path / "s" / SHARDS) == []
     assert time.time() - t0 < 60
     with pytest.raises(TargetNaNError):
