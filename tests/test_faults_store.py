@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from flashdraft.store import StoreError, StoreLayout, StoreReader, StoreWriter, shard_name
-from flashdraft.store.files import array_file, shard_dir
+from flashdraft.store import StoreError, StoreLayout, StoreReader, StoreWriter, read_manifest, shard_name
+from flashdraft.store.files import array_file, read_shard_attrs, shard_dir
 from flashdraft.store.format import decode_index, index_nbytes
 from tests.test_trainer_fixtures import metrics, run_training, tiny_store, tiny_target, train_kwargs
 from trainer.store_verify import CorruptStore, verify_stores
@@ -55,7 +55,8 @@ def data_file(store: Path, key: str, shard: int = 0) -> Path:
 def flip_inner_chunk(store: Path, key: str, chunk: int = 1) -> None:
     """Flip 8 bytes in the middle of inner chunk `chunk` of shard-00000's array `key` (the index stays intact)."""
     file = data_file(store, key)
-    n = -(-sum(SHARD_LENGTHS[0]) // CHUNK)
+    ct = read_manifest(store)["layout"]["chunk_tokens"]
+    n = -(-read_shard_attrs(shard_dir(store, shard_name(0)))["offsets"][-1] // ct)
     offset, nbytes = decode_index(file.read_bytes()[-index_nbytes(n) :], n)[chunk].astype(int)
     with open(file, "r+b") as f:
         f.seek(offset + nbytes // 2 - 4)
@@ -73,8 +74,8 @@ def truncate(store: Path, key: str) -> None:
 DAMAGE = {"flip": flip_inner_chunk, "truncate": truncate}
 # what `verify` says of each damage in shard-00000's array `key`
 SAYS = {
-    "flip": lambda key: f"shard shard-00000: array {key}: chunk 1 (rows 16..32) is unreadable",
-    "truncate": lambda key: f"shard shard-00000: array {key}: data file shards/shard-00000/{key}/",
+    "flip": lambda key, ct=CHUNK: f"shard shard-00000: array {key}: chunk 1 (rows {ct}..{2 * ct}) is unreadable",
+    "truncate": lambda key, ct=CHUNK: f"shard shard-00000: array {key}: data file shards/shard-00000/{key}/",
 }
 
 
@@ -189,7 +190,7 @@ def test_the_trainer_refuses_a_corrupt_store_before_step_1(trainer_setup, tmp_pa
     kw = train_kwargs(tmp_path, store, target, verify_store=mode, epochs=1, max_steps=2)
     out = refused(tmp_path, kw, nproc)
     assert f"CorruptStore: train.verify_store={mode} found 1 problem(s) in the feature stores" in out, out[-3000:]
-    assert f"{store}: {SAYS[fault]('layer_03')}" in out
+    assert f"{store}: {SAYS[fault]('layer_03', read_manifest(store)['layout']['chunk_tokens'])}" in out
 
 
 def test_sigkill_during_a_checkpoint_save_then_resume_repeats_the_uninterrupted_run(trainer_setup, tmp_path):
