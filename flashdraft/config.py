@@ -197,6 +197,14 @@ class TrainConfig:
     seed: int = 0
     resume: bool = True  # continue from the latest checkpoint in out_dir
     check_target: bool = True  # refuse stores captured from another target (config and tokenizer hashes)
+    # the stores' checksums before step 1: full (every inner chunk, the work split over the ranks) | sample (every
+    # shard's attributes and every array's index, `verify_sample` of the inner chunks) | off. sample by default: full
+    # reads every byte, which at paper scale (~26 TB) takes hours even split over the ranks, at every start and
+    # resume of a multi-day run; sample finds in seconds what damages whole files (truncation, a missing file, a bad
+    # index), and a chunk it did not read still stops the read that meets it, naming store, shard, array, rows and
+    # sequence (at most the steps since the last checkpoint lost). Small stores (conf/train/cpu.yaml) take full.
+    verify_store: str = "sample"
+    verify_sample: float = 0.01  # sample: the share of each array's inner chunks read (at least one a shard)
     progress: bool = True
     wandb: WandbConfig = field(default_factory=WandbConfig)
 

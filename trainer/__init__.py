@@ -3,6 +3,7 @@
 train.py     the loop, read top to bottom      __main__.py    Hydra entry point (TrainConfig, DrafterConfig)
 drafter.py   the drafter's spec (from the stores) and first weights
 store_check.py  the stores' layer ids and target against the drafter
+store_verify.py the stores' checksums before step 1 (train.verify_store: full, sample, off)
 data.py      store plans, rank sharding, prefetching
 anchors.py   where blocks start                batch.py       padded micro-batches
 masks.py     the [context | blocks] attention mask

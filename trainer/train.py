@@ -37,6 +37,7 @@ from trainer.engine import (
 from trainer.loss import default_gamma
 from trainer.metrics import MetricsLog, Tally
 from trainer.objective import forward_loss
+from trainer.store_verify import MODES, verify_stores
 
 
 class TrainingDiverged(RuntimeError):
@@ -105,9 +106,11 @@ def train(cfg: TrainConfig, drafter: DrafterConfig) -> dict:
     proc = start_process(cfg)
     target_config = load_config(cfg.target)
     spec = drafter_spec(cfg, drafter, target_config)
+    init_distributed(proc.device)
+    stores = [*cfg.stores, *(cfg.eval_stores or [])]
+    verify_stores(stores, cfg.verify_store, fraction=cfg.verify_sample, rank=proc.rank, world=proc.world)
     data = training_data(cfg, spec, cfg.stores, heldout_fraction=cfg.heldout_fraction, teacher=cfg.soft_labels > 0)
     plans, total_steps = plan_epochs(data, cfg, proc)
-    init_distributed(proc.device)
     ckpt_root = Path(cfg.out_dir) / "checkpoints"
     tag = latest_tag(ckpt_root) if cfg.resume else None
     proc.dtype = training_dtype(cfg.dtype, proc.device, resumed=saved_dtype(ckpt_root, tag) if tag else None)
@@ -175,6 +178,11 @@ def start_process(cfg: TrainConfig) -> Process:
     if cfg.loss_vocab < 0:
         raise ValueError(
             f"train.loss_vocab must be 0 (the whole vocabulary) or a number of words, got {cfg.loss_vocab}"
+        )
+    if cfg.verify_store not in MODES or not 0.0 < cfg.verify_sample <= 1.0:
+        raise ValueError(
+            f"train.verify_store must be one of {MODES} (got {cfg.verify_store!r}) and train.verify_sample a share "
+            f"in (0, 1] (got {cfg.verify_sample})"
         )
     attention = cfg.attention if cfg.attention != "auto" else ("flex" if use_cuda else "dense")
     return Process(rank, world, device, attention)
