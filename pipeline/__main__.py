@@ -278,7 +278,7 @@ def verify_command(argv: list[str]) -> int:
         return 1
     print(
         f"{argv[0]}: OK - {stats['shards']} shards, {stats['sequences']} sequences, {stats['tokens']} tokens, "
-        f"{stats['bytes'] / 2**20:.1f} MiB ({stats['bytes'] / max(1, stats['tokens']):.0f} bytes/token)"
+        f"{stats['bytes_on_disk'] / 2**20:.1f} MiB ({stats['bytes_on_disk'] / max(1, stats['tokens']):.0f} bytes/token)"
     )
     return 0
 

@@ -125,13 +125,13 @@ def test_a_read_of_a_damaged_sequence_names_store_shard_array_rows_and_sequence(
 
 @pytest.mark.parametrize("fault", ["flip", "truncate"])
 def test_verify_stores_full_split_over_ranks_finds_each_problem_once(sound, tmp_path, fault):
-    store = damaged(sound, tmp_path, fault, ["layer_03"])
+    store = damaged(sound, tmp_path, fault, ["features"])
     clean = verify_stores([sound], "full", fraction=0.01)
     assert clean["shards"] == 2 and clean["tokens"] == sum(map(sum, SHARD_LENGTHS))
-    with pytest.raises(CorruptStore, match=re.escape(f"{store}: {SAYS[fault]('layer_03')}")):
+    with pytest.raises(CorruptStore, match=re.escape(f"{store}: {SAYS[fault]('features')}")):
         verify_stores([store], "full", fraction=0.01)
     # two ranks (no process group: each its part): rank 0 checks shard-00000 and finds it, rank 1 finds nothing
-    with pytest.raises(CorruptStore, match="shard-00000: array layer_03"):
+    with pytest.raises(CorruptStore, match="shard-00000: array features"):
         verify_stores([store], "full", fraction=0.01, rank=0, world=2)
     assert verify_stores([store], "full", fraction=0.01, rank=1, world=2)["shards"] == 1
 
@@ -142,7 +142,8 @@ def test_verify_stores_sample_reads_every_index_and_a_share_of_chunks(sound, tmp
     assert checked["indexes"] == 2 * len(KEYS) and checked["chunks_total"] == chunks
     assert checked["chunks"] == sum(round(0.5 * -(-sum(x) // CHUNK)) for x in SHARD_LENGTHS) * len(KEYS)
     assert (
-        "train.verify_store=sample: 2 shards' attributes and 16 shard indexes of 1 store(s)" in capsys.readouterr().out
+        f"train.verify_store=sample: 2 shards' attributes and {2 * len(KEYS)} shard indexes of 1 store(s)"
+        in capsys.readouterr().out
     )
     store = damaged(sound, tmp_path, "truncate", ["teacher_logp"])  # truncation: the index, which sample reads
     with pytest.raises(CorruptStore, match="shard-00000: array teacher_logp: data file .* rows 0..96 unreadable"):
@@ -186,11 +187,11 @@ def test_the_trainer_refuses_a_corrupt_store_before_step_1(trainer_setup, tmp_pa
     _, target, sound_store = trainer_setup
     store = tmp_path / "store"
     shutil.copytree(sound_store, store)
-    DAMAGE[fault](store, "layer_03")
+    DAMAGE[fault](store, "features")
     kw = train_kwargs(tmp_path, store, target, verify_store=mode, epochs=1, max_steps=2)
     out = refused(tmp_path, kw, nproc)
     assert f"CorruptStore: train.verify_store={mode} found 1 problem(s) in the feature stores" in out, out[-3000:]
-    assert f"{store}: {SAYS[fault]('layer_03', read_manifest(store)['layout']['chunk_tokens'])}" in out
+    assert f"{store}: {SAYS[fault]('features', read_manifest(store)['layout']['chunk_tokens'])}" in out
 
 
 def test_sigkill_during_a_checkpoint_save_then_resume_repeats_the_uninterrupted_run(trainer_setup, tmp_path):
