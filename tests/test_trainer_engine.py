@@ -1,6 +1,7 @@
 """The DeepSpeed trainer end to end on CPU (gloo): 2 ranks == 1 rank, kill + resume, NaN stop,
 manifest checks, and the exported drafter in the published format."""
 
+import re
 import signal
 import time
 
@@ -97,6 +98,12 @@ def test_nan_loss_stops_with_a_clear_message(setup, tmp_path):
     arr = zarr.open_array(str(tmp_path / "bad" / "shards" / "shard-00000" / "features"), mode="r+")
     arr[:] = np.full(arr.shape, np.inf, dtype=np.float32)
     proc = run_training(tmp_path, train_kwargs(tmp_path, bad.path, target, checkpoint_every=0), wait=False)
+    out, _ = proc.communicate(timeout=120)  # the check before step 1 finds it (every sample reads some features)
+    assert (
+        proc.returncode != 0 and "CorruptStore" in out and re.search(r"array features rows \d+..\d+ hold NaN/Inf", out)
+    )
+    kwargs = train_kwargs(tmp_path, bad.path, target, checkpoint_every=0, verify_store="off")
+    proc = run_training(tmp_path, kwargs, wait=False)  # unchecked, the loss itself stops the run
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode != 0
     assert "TrainingDiverged" in out and "loss is nan" in out and "no checkpoint yet" in out
