@@ -4,6 +4,8 @@ A `DraftSpec` is made once, by the trainer, from the feature store's manifest (t
 captured) and the model config; it is saved in the drafter's config.json in the published format
 (`block_size`, `num_hidden_layers`, `dflash_config.target_layer_ids`, `dflash_config.mask_token_id`) and read
 back from there by everything after training: the harness, the reference package, serving engines.
+`export_config` adds what those readers need beyond transformers 5's own keys (`rope_theta`, `rope_scaling`,
+`auto_map`); docs/serving.md lists who reads what.
 
 The pipeline chooses only which layers to capture (`capture_layer_ids`); nothing else derives geometry.
 """

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Qwen3Config
+from transformers import AutoConfig, Qwen3Config
 
 from flashdraft.model import DFlashDrafter
 from flashdraft.spec import AUTO_MAP, DraftSpec, default_layer_ids, legacy_rope
@@ -49,6 +49,9 @@ def test_exported_config_has_every_published_key(tmp_path):
         assert saved[key] == value, key
     assert saved["auto_map"] == AUTO_MAP
     assert saved["max_window_layers"] == saved["num_hidden_layers"] == len(saved["layer_types"])
+    # The reference benchmark reads the drafter with AutoConfig and no trust_remote_code: auto_map names no config
+    # class, so no remote code is asked for.
+    assert AutoConfig.from_pretrained(tmp_path).architectures == ["DFlashDraftModel"]
 
 
 @pytest.mark.parametrize("rope", [{}, YARN], ids=["default", "yarn"])
