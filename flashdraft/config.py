@@ -225,6 +225,10 @@ class EvalConfig:
     split: str = "heldout"  # heldout | train | all
     heldout_fraction: float = 0.2  # the share of each source held out (data=heldout reads it too)
     limit: int | None = 4  # prompts per source (None: all)
+    # all: a multi-turn record's later user turns (MT-Bench's second questions) are each measured after the target's
+    # own plain answer to the turn before (harness/evaluate.py) | single: the first turn only. The quick profile
+    # (conf/profile/quick.yaml) keeps single, as its published figures were made.
+    turns: str = "all"
     max_new_tokens: int = 64
     temperature: float = 0.0  # 0: greedy, outputs compared token for token with plain decoding
     top_p: float = 1.0

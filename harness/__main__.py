@@ -16,6 +16,7 @@ import hashlib
 import json
 import sys
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import hydra
@@ -37,7 +38,7 @@ from flashdraft.target import (
 from flashdraft.vocab import frequent_tokens
 from harness.datastore import Datastore
 from harness.drafter import DrafterProposer, load_drafter
-from harness.evaluate import UNTRAINED_WARNING, build_prompts, environment, evaluate, finished_records
+from harness.evaluate import UNTRAINED_WARNING, build_prompts, environment, evaluate, finished_records, next_turn
 from harness.methods import DRAFTER_METHODS, DecodeSettings, build_policies
 from harness.pictures import acceptance_lengths_by_source, plot_acceptance, plot_training
 from harness.policies import ChainPolicy, TreePolicy
@@ -166,6 +167,7 @@ def build(cfg: DictConfig, config: EvalConfig) -> Bench:
         limit=config.limit,
         system_prompt=chat.system_prompt,
         enable_thinking=chat.enable_thinking,
+        turns=config.turns,
     )
     proposer, vocab_info = with_draft_vocab(proposer, config, prompts, target.config.vocab_size)
     datastore, datastore_info = load_datastore(config, prompts)
@@ -240,28 +242,30 @@ def measure(bench: Bench, config: EvalConfig, model_target: str) -> tuple[list[d
         bench.facts["draft_vocab"],
         {"attention": facts["attention"], "gemm_rows": facts["exact_gemm_rows"]},
     )
-    seq_ids = [p.seq_id for p in bench.prompts]
+    turns = {p.seq_id: 1 + len(p.followups) for p in bench.prompts}  # eval.turns=single: no followups
     done = {}
     if config.resume:
-        done = finished_records(log_path, key, seq_ids)
+        done = finished_records(log_path, key, turns)
         if done:
             print(
-                f"resuming: {len(done)} of {len(seq_ids)} prompts were finished by an interrupted run with the same "
-                f"settings ({log_path}; eval.resume=false starts over)"
+                f"resuming: {len(done)} of {sum(turns.values())} prompt turns were finished by an interrupted run "
+                f"with the same settings ({log_path}; eval.resume=false starts over)"
             )
     else:
         log_path.unlink(missing_ok=True)
+    stops = stop_token_ids(target, bench.tokenizer)
     records = evaluate(
         target,
         bench.prompts,
         bench.settings,
         bench.policies,
-        stop_token_ids=stop_token_ids(target, bench.tokenizer),
+        stop_token_ids=stops,
         log_path=log_path,
         warmup=config.warmup,
         done=done,
         run_key=key,
         loaded_target=bench.loaded_target,
+        follow=partial(next_turn, bench.tokenizer, stop_token_ids=stops),
     )
     return records, {**facts, "resumed_prompts": len(done)}
 
@@ -337,6 +341,7 @@ def make_report(bench: Bench, config: EvalConfig, records: list[dict], run_facts
             {
                 "source": r["source"],
                 "record_id": r["record_id"],
+                "turn": r.get("turn", 1),
                 "prompt_tokens": r["prompt_tokens"],
                 **{f"{k}_new_tokens": len(v["tokens"]) for k, v in r["methods"].items()},
                 "text": bench.tokenizer.decode(next(iter(r["methods"].values()))["tokens"]),

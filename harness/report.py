@@ -57,7 +57,7 @@ def render_markdown(report: dict) -> str:
     out += [
         f"- target: `{s['target']}`; drafter: `{s['drafter']}`",
         f"- prompts: {', '.join(f'{k} ({v})' for k, v in s['prompt_counts'].items())}; "
-        f"split {s['split']}, limit {s['limit']} per source",
+        f"split {s['split']}, limit {s['limit']} per source, turns {s.get('turns', 'single')}",
         f"- max_new_tokens {s['max_new_tokens']}, temperature {s['temperature']}, "
         f"top_p {s['top_p']}, top_k {s['top_k']}, "
         f"block size {s['block_size']}, prompt lookup {s['prompt_lookup_num_tokens']} tokens",
@@ -80,7 +80,7 @@ def render_markdown(report: dict) -> str:
     ]
     if s.get("resumed_prompts"):
         out[-1:-1] = [
-            f"Resumed: {s['resumed_prompts']} prompts were measured by an interrupted run with the same settings.",
+            f"Resumed: {s['resumed_prompts']} prompt turns were measured by an interrupted run with the same settings.",
             "",
         ]
     sources = list(next(iter(methods.values()))["by_source"])

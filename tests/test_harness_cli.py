@@ -115,7 +115,7 @@ def test_quick_eval_writes_reports(target_dir, tmp_path, capsys):
     assert 0 < t["verified_drafts"] <= 7  # a block of 4 offers up to 4 + 16 + 64 candidates: the tree takes 7
     h = saved["methods"]["dflash_lookup"]
     assert s["lookup_ngram"] == 3 and 0 <= h["lookup_rounds"] <= h["rounds"] == sum(h["acceptance_histogram"].values())
-    assert len((out / "runs.jsonl").read_text().splitlines()) == 4
+    assert len((out / "runs.jsonl").read_text().splitlines()) == 6  # 2 HumanEval prompts, 2 MT-Bench ones x 2 turns
     md = (out / "report.md").read_text()
     assert (
         "UNTRAINED" in md
@@ -161,7 +161,7 @@ def test_plain_as_loaded_decodes_a_copy_of_the_target_without_exact_verification
             overrides(target_dir, tmp_path, "eval.methods=[plain,plain_as_loaded,dflash]", "eval.warmup=false")
         )
     )
-    assert plain_runs == ["rowwise_exact", "sdpa"] * 4  # per prompt: plain on the exact target, then the copy as loaded
+    assert plain_runs == ["rowwise_exact", "sdpa"] * 6  # per prompt turn: plain on the exact target, then the copy
     m = report["methods"]
     assert m["plain_as_loaded"]["tau"] == 1.0 and m["plain_as_loaded"]["speedup_vs_loaded"] == 1.0
     for name in ("plain", "dflash"):
@@ -212,10 +212,10 @@ def test_interrupted_eval_resumes_without_rerunning_finished_prompts(target_dir,
     first = run(compose_config(over))
     log = tmp_path / "eval" / "runs.jsonl"
     lines = log.read_text().splitlines()
-    assert len(lines) == 4 and first["settings"]["resumed_prompts"] == 0
+    assert len(lines) == 6 and first["settings"]["resumed_prompts"] == 0  # MT-Bench: two turns a prompt
     log.write_text("\n".join(lines[:2]) + "\n" + lines[2][: len(lines[2]) // 2])  # killed while writing the third line
     second = run(compose_config(over))
-    assert second["settings"]["resumed_prompts"] == 2 and "resuming: 2 of 4 prompts" in capsys.readouterr().out
+    assert second["settings"]["resumed_prompts"] == 2 and "resuming: 2 of 6 prompt turns" in capsys.readouterr().out
     again = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["seq_id"] for r in again] == [json.loads(line)["seq_id"] for line in lines]
     assert again[:2] == [json.loads(line) for line in lines[:2]]  # taken as measured, not run again
@@ -223,11 +223,11 @@ def test_interrupted_eval_resumes_without_rerunning_finished_prompts(target_dir,
     for method in ("plain", "dflash"):
         assert second["methods"][method]["new_tokens"] == first["methods"][method]["new_tokens"]
     assert second["methods"]["dflash"]["lossless"] is True
-    assert "Resumed: 2 prompts" in (tmp_path / "eval" / "report.md").read_text()
+    assert "Resumed: 2 prompt turns" in (tmp_path / "eval" / "report.md").read_text()
     other = run(compose_config([*over, "eval.max_new_tokens=10"]))  # other settings: nothing is reused
-    assert other["settings"]["resumed_prompts"] == 0 and len(log.read_text().splitlines()) == 4
+    assert other["settings"]["resumed_prompts"] == 0 and len(log.read_text().splitlines()) == 6
     fresh = run(compose_config([*over, "eval.max_new_tokens=10", "eval.resume=false"]))
-    assert fresh["settings"]["resumed_prompts"] == 0 and len(log.read_text().splitlines()) == 4
+    assert fresh["settings"]["resumed_prompts"] == 0 and len(log.read_text().splitlines()) == 6
 
 
 def test_the_resume_key_holds_the_methods_and_the_drafter():
