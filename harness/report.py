@@ -49,6 +49,21 @@ def methods_table(methods: dict) -> str:
     return "\n".join(lines)
 
 
+def breakdown_table(methods: dict) -> str:
+    """tau (rounds) per method: over everything, per prompt source, and per conversation turn (a turn's rounds and
+    tokens are the sums over its prompts; the sources' or the turns' rounds add up to the whole)."""
+    first = next(iter(methods.values()))
+    sources, turns = list(first["by_source"]), list(first.get("by_turn", {}))
+    lines = [
+        "| method | all | " + " | ".join([*sources, *(f"turn {t}" for t in turns)]) + " |",
+        "|---|---|" + "---|" * (len(sources) + len(turns)),
+    ]
+    for name, m in methods.items():
+        parts = [m, *m["by_source"].values(), *m.get("by_turn", {}).values()]
+        lines.append(f"| {name} | " + " | ".join(f"{_fmt(p['tau'])} ({p['rounds']})" for p in parts) + " |")
+    return "\n".join(["tau (rounds: target forwards after the prefill):", "", *lines])
+
+
 def render_markdown(report: dict) -> str:
     s, methods = report["settings"], report["methods"]
     out = ["# DFlash evaluation", ""]
@@ -83,6 +98,7 @@ def render_markdown(report: dict) -> str:
             f"Resumed: {s['resumed_prompts']} prompt turns were measured by an interrupted run with the same settings.",
             "",
         ]
+    out += ["## tau per prompt set and turn", "", breakdown_table(methods), ""]
     sources = list(next(iter(methods.values()))["by_source"])
     for source in sources:
         out += [f"## {source}", "", methods_table({name: m["by_source"][source] for name, m in methods.items()}), ""]
@@ -182,7 +198,7 @@ def _training_section(report: dict) -> list[str]:
 def console_summary(report: dict) -> str:
     """What `python -m harness` prints: the methods table, each drafter method's rounds, train/serve parity."""
     untrained = "\n!!! " + report["warning"] + "\n" if report.get("warning") else ""
-    lines = [untrained + "\n" + methods_table(report["methods"])]
+    lines = [untrained + "\n" + methods_table(report["methods"]), breakdown_table(report["methods"])]
     for method in (m for m in DRAFTER_METHODS if m in report["methods"]):
         d = report["methods"][method]
         verified = "" if d.get("verified_drafts") is None else f"; drafts verified per round {d['verified_drafts']:.2f}"

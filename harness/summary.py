@@ -57,13 +57,24 @@ def method_summary(records, method, *, greedy: bool, block_size: int | None = No
 
 
 def summarize(records, methods, *, greedy: bool, block_size: int | None) -> dict:
+    """Each method's summary over every record, with the same summary per prompt source (`by_source`) and per
+    conversation turn (`by_turn`, "1", "2", ...: a record without a turn is a first turn)."""
     out = {}
     for method in methods:
         out[method] = method_summary(records, method, greedy=greedy, block_size=block_size)
-        out[method]["by_source"] = {
-            source: method_summary(
-                [r for r in records if r["source"] == source], method, greedy=greedy, block_size=block_size
-            )
-            for source in dict.fromkeys(r["source"] for r in records)
-        }
+        for name, key in (("by_source", _source), ("by_turn", _turn)):
+            out[method][name] = {
+                value: method_summary(
+                    [r for r in records if key(r) == value], method, greedy=greedy, block_size=block_size
+                )
+                for value in dict.fromkeys(key(r) for r in records)
+            }
     return out
+
+
+def _source(record) -> str:
+    return record["source"]
+
+
+def _turn(record) -> str:
+    return str(record.get("turn", 1))
