@@ -3,10 +3,11 @@
     python -m harness                                   # conf/eval/quick.yaml, the model's drafter_dir
     python -m harness eval=full eval.drafter=PATH
     python -m harness eval.limit=2 eval.temperature=0.7 eval.methods=[plain,dflash]
+    python -m harness eval.turns=single                 # MT-Bench first turns only (default all: both turns)
     python -m harness eval.methods=[plain,dflash,dflash_tree] eval.tree_size=15   # tree verification (greedy)
     python -m harness eval.methods=[plain,prompt_lookup,dflash_lookup] eval.lookup_ngram=2   # DFlash + lookup rounds
     python -m harness eval.methods=[plain,dflash_datastore] eval.datastore=runs/x/features   # + the training responses
-Writes report.json, report.md and runs.jsonl (one line per prompt, as it goes) into eval.out_dir, with
+Writes report.json, report.md and runs.jsonl (one line per prompt turn, as it goes) into eval.out_dir, with
 acceptance.png and training.png (from eval.metrics, the trainer's metrics.jsonl) next to report.md.
 """
 
