@@ -51,9 +51,11 @@ def run_plain(tools: dict, target_gguf: Path, prompt_file: Path, args) -> dict:
         raise RuntimeError(f"{cmd[0]} failed:\n{proc.stderr[-2000:]}")
     # The prompt-eval line also says "eval time"; the plain decode line is the one that counts "runs".
     ms, runs = PLAIN_EVAL.findall(proc.stderr)[-1]
+    # llama-completion prints a newline before the generated text (the prompt is not displayed).
+    text = proc.stdout[1:] if proc.stdout.startswith("\n") else proc.stdout
     # Timed tokens are the decode steps after the prompt (the first token comes from the prompt's forward pass).
     return {
-        "text": proc.stdout,
+        "text": text.rstrip("\n"),
         "tokens": int(runs),
         "seconds": float(ms) / 1000,
         "tokens_per_s": int(runs) / (float(ms) / 1000),
@@ -87,6 +89,7 @@ def run_speculative(tools: dict, gguf: dict, prompt_file: Path, spec_type: str, 
 
 
 def common_prefix(a: str, b: str) -> int:
+    """Characters of `a` and `b` that agree from the start (the runs stop at different lengths: compare the shorter)."""
     n = 0
     for x, y in zip(a, b):
         if x != y:
@@ -140,7 +143,7 @@ def main() -> None:
                 print(
                     f"prompt {i} {record.source:<10} {mode:<14} {result['tokens_per_s']:7.2f} tok/s  {tau:<9} "
                     f"tokens {result['tokens']:4d}  agree {agree if agree is not None else '-'}"
-                    f"/{len(plain['text']) if plain else '-'} chars",
+                    f"/{min(len(plain['text']), len(result['text'])) if plain else '-'} chars",
                     flush=True,
                 )
 
