@@ -42,9 +42,18 @@ SPEC_DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
 SPEC_COUNT = re.compile(r"^.*\b(n_predict|n_drafted|n_accept)\s*=\s*(\d+)", re.MULTILINE)
 
 
+def common_flags(args) -> list[str]:
+    """Flags every mode gets, so the rows differ only in how tokens are drafted."""
+    flags = ["-n", str(args.max_new_tokens), "--temp", "0", "--top-k", "1", "-t", str(args.threads)]
+    # The default batch (2048) made llama-speculative-simple several times slower per step than with 256 here, and
+    # its draft-dflash path with flash attention off slower still: batch and flash attention are set for every mode.
+    flags += ["-c", str(args.ctx_size), "-b", str(args.prompt_batch), "-ub", str(args.prompt_batch)]
+    return flags + ["-fa", args.flash_attn]
+
+
 def run_plain(tools: dict, target_gguf: Path, prompt_file: Path, args) -> dict:
     cmd = [str(tools["llama-completion"]), "-m", str(target_gguf), "-f", str(prompt_file)]
-    cmd += ["-n", str(args.max_new_tokens), "--temp", "0", "--top-k", "1", "-t", str(args.threads)]
+    cmd += common_flags(args)
     cmd += ["-no-cnv", "--no-display-prompt"]
     proc = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
     if proc.returncode != 0:
@@ -64,7 +73,7 @@ def run_plain(tools: dict, target_gguf: Path, prompt_file: Path, args) -> dict:
 
 def run_speculative(tools: dict, gguf: dict, prompt_file: Path, spec_type: str, args, prompt_text: str) -> dict:
     cmd = [str(tools["llama-speculative-simple"]), "-m", str(gguf["target"]), "-f", str(prompt_file)]
-    cmd += ["-n", str(args.max_new_tokens), "--temp", "0", "--top-k", "1", "-t", str(args.threads)]
+    cmd += common_flags(args)
     cmd += ["--spec-type", spec_type]
     if spec_type.startswith("draft-"):
         cmd += ["-md", str(gguf["drafter"]), "--spec-draft-n-max", str(args.draft_n_max)]
@@ -108,6 +117,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--draft-n-max", type=int, default=None, help="default: the drafter's block size - 1")
     ap.add_argument("--modes", nargs="+", default=["plain", "dflash"], help="plain, dflash, or a --spec-type name")
+    ap.add_argument("--batch", type=int, default=256, help="-b and -ub for every mode (the prompt must fit)")
+    ap.add_argument("--ctx-size", type=int, default=2048, help="-c for every mode")
+    ap.add_argument("--flash-attn", default="on", choices=["on", "off", "auto"], help="-fa for every mode")
     ap.add_argument("--gguf-dir", default=None, help="default: gguf/ next to the drafter folder")
     ap.add_argument("--outtype", default="f32")
     ap.add_argument("--jobs", type=int, default=None, help="compile jobs for the one-time build")
@@ -128,14 +140,17 @@ def main() -> None:
             prompt_text = ft.chat_text(tokenizer, list(record.messages))
             prompt_file = Path(tmp) / f"prompt{i}.txt"
             prompt_file.write_text(prompt_text)
+            # llama-speculative-simple wants the whole prompt in one batch: raise the batch to fit, in steps of 64.
+            n_prompt = len(tokenizer(prompt_text, add_special_tokens=False).input_ids)
+            run_args = argparse.Namespace(**vars(args), prompt_batch=max(args.batch, (n_prompt + 16 + 63) // 64 * 64))
             plain = None
             for mode in args.modes:
                 if mode == "plain":
-                    result = run_plain(tools, gguf["target"], prompt_file, args)
+                    result = run_plain(tools, gguf["target"], prompt_file, run_args)
                     plain = result
                 else:
                     spec_type = "draft-dflash" if mode == "dflash" else mode
-                    result = run_speculative(tools, gguf, prompt_file, spec_type, args, prompt_text)
+                    result = run_speculative(tools, gguf, prompt_file, spec_type, run_args, prompt_text)
                 agree = common_prefix(result["text"], plain["text"]) if plain else None
                 result.update(prompt=i, source=record.source, mode=mode, agree_chars=agree)
                 runs.append(result)
