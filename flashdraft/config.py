@@ -94,6 +94,9 @@ class DataConfig:
     limit: Any = None  # records per source: a number for all, a {source: number} map, or None (all)
     heldout_fraction: float = 0.2
     mode: str = "regenerate"  # regenerate: the target writes the responses | capture: the records carry them
+    # regenerate mode: all: every user turn answered in order against the target's own earlier answers, one sequence
+    # a conversation (pipeline/turns.py) | single: the record's final user turn only (later followups dropped)
+    turns: str = "all"
     max_new_tokens: int = 512
     max_length: int = 3072  # prompt + response tokens
     max_prompt_tokens: int = 2048  # longer prompts are rejected

@@ -32,7 +32,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
     rotate_half,
 )
 
-from flashdraft.spec import DraftSpec
+from flashdraft.spec import DraftSpec, check_rope_agrees, export_config
 
 try:  # FlexAttention: block-sparse kernels on GPU (and a compiled forward on CPU).
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -245,7 +245,7 @@ class DFlashDrafter(nn.Module):
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in self.state_dict().items()}
-        config = self.config.to_dict()
+        config = export_config(self.config)
         config["dtype"] = str(dtype or next(self.parameters()).dtype).removeprefix("torch.")
         tmp = path / "model.safetensors.tmp"
         save_file(state, str(tmp), metadata={"format": "pt"})
@@ -261,6 +261,7 @@ class DFlashDrafter(nn.Module):
             raise FileNotFoundError(f"no drafter at {path}: {cfg_file} is missing")
         raw = json.loads(cfg_file.read_text())
         DraftSpec.from_draft_config(raw, where=str(cfg_file))  # refuse a config without geometry, naming the file
+        check_rope_agrees(raw, where=str(cfg_file))
         model = cls(Qwen3Config.from_dict(raw))
         state = load_file(str(path / "model.safetensors"))
         missing, unexpected = model.load_state_dict(state, strict=False)

@@ -4,6 +4,8 @@ A `DraftSpec` is made once, by the trainer, from the feature store's manifest (t
 captured) and the model config; it is saved in the drafter's config.json in the published format
 (`block_size`, `num_hidden_layers`, `dflash_config.target_layer_ids`, `dflash_config.mask_token_id`) and read
 back from there by everything after training: the harness, the reference package, serving engines.
+`export_config` adds what those readers need beyond transformers 5's own keys (`rope_theta`, `rope_scaling`,
+`auto_map`); docs/serving.md lists who reads what.
 
 The pipeline chooses only which layers to capture (`capture_layer_ids`); nothing else derives geometry.
 """
@@ -15,6 +17,11 @@ from dataclasses import dataclass
 from transformers import Qwen3Config
 
 DEFAULT_NUM_FEATURES = 5
+
+# The remote-code entry the published z-lab drafters carry: class `DFlashDraftModel` of a `dflash.py` module. We ship
+# no `dflash.py`: SGLang and vLLM dispatch on `architectures`, the `dflash` package imports its own class, and our own
+# loading never trusts remote code. The key is written so that tools keyed on the published layout see the same one.
+AUTO_MAP = {"AutoModel": "dflash.DFlashDraftModel"}
 
 
 def default_layer_ids(num_target_layers: int, num_features: int = DEFAULT_NUM_FEATURES) -> list[int]:
@@ -117,9 +124,42 @@ class DraftSpec:
             tie_word_embeddings=False,
             use_sliding_window=False,
             layer_types=["full_attention"] * n,
+            max_window_layers=n,
             bos_token_id=getattr(tc, "bos_token_id", None),
             eos_token_id=getattr(tc, "eos_token_id", None),
             block_size=self.block_size,
             num_target_layers=tc.num_hidden_layers,
             dflash_config={"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
         )
+
+
+def legacy_rope(rope_parameters: dict | None) -> dict:
+    """The transformers-4 spelling of transformers-5 `rope_parameters`: `rope_theta` plus `rope_scaling` (the
+    parameters without the base; None for plain RoPE), the keys transformers 4, SGLang and vLLM read."""
+    rope = dict(rope_parameters or {})
+    if "rope_theta" not in rope:
+        # Per-layer-type RoPE (a dict of dicts) has no single transformers-4 form: write nothing rather than a guess.
+        return {}
+    theta = rope.pop("rope_theta")
+    scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
+    return {"rope_theta": theta, "rope_scaling": scaling}
+
+
+def check_rope_agrees(raw: dict, where: str = "drafter config") -> None:
+    """Refuse a config.json whose `rope_theta`/`rope_scaling` disagree with its `rope_parameters`: transformers 5
+    reads the latter, transformers 4 and the serving engines the former, so they would rotate differently."""
+    legacy = legacy_rope(raw.get("rope_parameters"))
+    bad = [k for k, v in legacy.items() if k in raw and raw[k] != v]
+    if bad:
+        got = {k: raw[k] for k in bad}
+        want = {k: legacy[k] for k in bad}
+        raise ValueError(f"{where}: {got} disagree with rope_parameters {raw['rope_parameters']} (expected {want})")
+
+
+def export_config(config) -> dict:
+    """The drafter's config.json dict as exported: the config's own keys, plus what transformers 5 drops when it
+    serialises (`rope_theta`, `rope_scaling`) and the published drafters' `auto_map`, so every reader agrees."""
+    out = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    out.update(legacy_rope(out.get("rope_parameters")))  # derived from rope_parameters, the one source of truth
+    out.setdefault("auto_map", dict(AUTO_MAP))
+    return out

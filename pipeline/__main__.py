@@ -76,6 +76,7 @@ def settings_from(cfg: DictConfig, offline_ok: bool = False) -> CaptureSettings:
         dtype=str(m.dtype),
         device=str(cfg.device),
         mode=str(d.mode),
+        turns=str(d.turns),
         max_new_tokens=int(d.max_new_tokens),
         max_length=int(d.max_length),
         max_prompt_tokens=int(d.max_prompt_tokens),

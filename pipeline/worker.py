@@ -24,6 +24,7 @@ from flashdraft.store.space import check_free_space
 from flashdraft.target import chat_text, load_target, resolve_dtype, stop_token_ids
 from flashdraft.target.memory import DEFAULT_FRACTION, decode_rows, prefill_token_budget
 from pipeline.capture import capture, regenerate_stream, token_batches
+from pipeline.turns import Conversation, regenerate_conversations, user_turns
 
 CPU_BATCH_SIZE = 8  # data.batch_size auto on a CPU: what a fixed batch_size defaulted to before auto
 CPU_PREFILL_TOKENS = 16384  # data.prefill_tokens auto in capture mode on a CPU
@@ -37,6 +38,11 @@ class CaptureSettings:
     dtype: str = "float32"  # the target's compute dtype
     device: str = "cpu"
     mode: str = "regenerate"  # regenerate | capture (records already carry responses)
+    # regenerate mode: "all" answers every user turn in order, each against the target's own earlier answers, as one
+    # sequence (pipeline/turns.py); "single" answers the record's final user turn only, its given assistant turns kept
+    # as context and its followups dropped. The default here is the behaviour from before the setting; data.turns
+    # defaults to all.
+    turns: str = "single"
     max_new_tokens: int = 1024
     max_length: int = 3072  # prompt + response, tokens
     max_prompt_tokens: int = 2048
@@ -53,6 +59,8 @@ class CaptureSettings:
     def __post_init__(self):
         if self.mode not in ("regenerate", "capture"):
             raise ValueError(f"capture mode must be 'regenerate' or 'capture', got {self.mode!r}")
+        if self.turns not in ("all", "single"):
+            raise ValueError(f"data.turns must be 'all' or 'single', got {self.turns!r}")
         for key in ("batch_size", "prefill_tokens"):
             value = getattr(self, key)
             if value != "auto" and not (isinstance(value, int) and value >= 1):
@@ -69,6 +77,8 @@ class CaptureSettings:
         for k in ("trust_remote_code", "target"):
             d.pop(k)
         d["layer_ids"] = list(self.layer_ids)
+        if self.turns == "single" or self.mode == "capture":  # what every store before the setting holds
+            d.pop("turns")
         return d
 
 
@@ -164,8 +174,9 @@ class CaptureWorker:
     def _ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def encode(self, record: PromptRecord) -> tuple[list[int], list[bool] | None] | str:
-        """(prompt ids, None) to regenerate, (sequence ids, loss mask) to capture, or a reject reason.
+    def encode(self, record: PromptRecord) -> tuple[list[int], list[bool] | None] | Conversation | str:
+        """(prompt ids, None) to regenerate, (sequence ids, loss mask) to capture, a Conversation to regenerate turn
+        by turn (data.turns=all and more than one user turn), or a reject reason.
 
         Capture: the prompt is the conversation without its final assistant turn, encoded exactly as regeneration
         would feed it (generation prompt included); the response is what the template renders after it, up to and
@@ -174,12 +185,17 @@ class CaptureWorker:
         msgs = list(record.messages)
         try:
             if s.mode == "regenerate":
+                system, users = user_turns(record)
+                if s.turns == "all" and len(users) > 1:
+                    msgs = [*system, {"role": "user", "content": users[0]}]
                 while msgs and msgs[-1]["role"] == "assistant":
                     msgs.pop()
                 ids = self._ids(self._render(msgs))
                 if len(ids) > s.max_prompt_tokens or len(ids) >= s.max_length:
                     limits = f"max_prompt_tokens {s.max_prompt_tokens}, max_length {s.max_length}"
                     return f"prompt too long ({len(ids)} tokens; {limits})"
+                if s.turns == "all" and len(users) > 1:
+                    return Conversation(record, system, users, ids)
                 return ids, None
             if not record.has_response:
                 return "no response to capture (capture mode needs a final assistant turn)"
@@ -213,20 +229,30 @@ class CaptureWorker:
         t0 = time.time()
         if shard_exists(self.store_path, task.name):
             raise FileExistsError(f"shard {task.name} already exists in {self.store_path}")
-        encoded, rejects = [], []
+        encoded, chats, rejects = [], [], []
         for rec in task.records:
             e = self.encode(rec)
             if isinstance(e, str):
                 rejects.append((rec, e))
+            elif isinstance(e, Conversation):
+                chats.append(e)
             else:
                 encoded.append((rec, *e))
-        check_free_space(shard_dir(self.store_path, task.name), self.layout, self.max_tokens(encoded))
+        # a conversation holds at most max_length tokens
+        space = self.max_tokens(encoded) + len(chats) * self.s.max_length
+        check_free_space(shard_dir(self.store_path, task.name), self.layout, space)
         with ShardWriter(self.store_path, task.name, self.layout) as shard:
             for rec, reason in rejects:
                 shard.reject(rec.seq_id, reason, source=rec.source, record_id=rec.record_id)
             encoded.sort(key=lambda x: len(x[1]))  # similar lengths batch (and join the batch) with little padding
             for i, out in self._capture(encoded, task_seed(self.s.seed, task.name, 0)):
                 shard.append(encoded[i][0].seq_id, out.input_ids, out.loss_mask, out.features, out.teacher)
+            if chats:  # each turn's round draws from its own seed (round 0 is the single-turn decode's)
+                seeds = lambda turn: task_seed(self.s.seed, task.name, 1 + turn)  # noqa: E731
+                for conv, out in regenerate_conversations(self, chats, seeds):
+                    shard.append(conv.record.seq_id, out.input_ids, out.loss_mask, out.features, out.teacher)
+                    for text in conv.notes:
+                        shard.note(conv.record.seq_id, text, turns=len(conv.users))
         return {"info": shard.info(), "pid": os.getpid(), "seconds": time.time() - t0}
 
     def max_tokens(self, encoded) -> int:

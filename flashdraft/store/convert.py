@@ -68,6 +68,7 @@ def _convert_shard(old: Path, writer: StoreWriter, name: str) -> None:
                 shard.append_stored(ids[m], {key: rows[a:b] for key, rows in block.items()})
             j = k
         shard.rejects = list(attrs.get("rejects", []))
+        shard.notes = list(attrs.get("notes", []))
     writer.register(shard.info())
 
 

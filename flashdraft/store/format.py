@@ -180,6 +180,15 @@ def decode_index(tail: bytes, n_chunks: int) -> np.ndarray:
     return np.frombuffer(body, dtype="<u8").reshape(n_chunks, 2)
 
 
+def read_index(file, n_chunks: int) -> np.ndarray:
+    """The shard index at the end of a data file of `n_chunks` inner chunks (StoreError when it is damaged or the
+    file is too short to hold it)."""
+    with open(file, "rb") as f:
+        f.seek(0, 2)
+        f.seek(max(0, f.tell() - index_nbytes(n_chunks)))
+        return decode_index(f.read(), n_chunks)
+
+
 def mask_runs(mask: np.ndarray) -> list[int]:
     """The True runs of a 1-D bool mask as a flat [start, end, start, end, ...] list (ends exclusive): a sequence's
     response spans, kept in its shard's attributes so that start-up reads no loss mask."""

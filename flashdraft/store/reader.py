@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,8 +15,7 @@ from flashdraft.store.format import (
     StoreError,
     StoreLayout,
     decode_features,
-    decode_index,
-    index_nbytes,
+    read_index,
 )
 
 INDEX_CACHE = 512  # shard indexes (array x shard) kept in memory: 16 bytes an inner chunk each
@@ -113,10 +111,7 @@ class StoreReader:
         if (shard.name, key) not in self._indexes:
             ct = self.layout.chunk_tokens
             n = -(-int(shard.offsets[-1]) // ct)
-            file = array_file(shard.dir, key, 1 + len(self._specs[key][1]))
-            with open(file, "rb") as f:
-                f.seek(-index_nbytes(n), os.SEEK_END)
-                entries = decode_index(f.read(), n)
+            entries = read_index(array_file(shard.dir, key, 1 + len(self._specs[key][1])), n)
             if len(self._indexes) >= INDEX_CACHE:
                 self._indexes.pop(next(iter(self._indexes)))
             self._indexes[(shard.name, key)] = entries

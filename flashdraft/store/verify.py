@@ -15,9 +15,9 @@ from flashdraft.store.format import (
     FEATURES,
     StoreError,
     StoreLayout,
-    decode_index,
     index_nbytes,
     mask_runs,
+    read_index,
 )
 
 
@@ -170,9 +170,7 @@ def _check_index(file: Path, T: int, rows: int, path: Path, where: str, problems
         return None
     size = file.stat().st_size
     try:
-        with open(file, "rb") as f:
-            f.seek(max(0, size - index_nbytes(n)))
-            entries = decode_index(f.read(), n)
+        entries = read_index(file, n)
     except StoreError as e:
         problems.append(f"{where}: data file {file.relative_to(path)} is corrupt ({e}): rows 0..{T} unreadable")
         return None

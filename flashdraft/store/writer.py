@@ -95,6 +95,7 @@ class ShardWriter:
         self.seq_ids: list[str] = []
         self._seen: set[str] = set()
         self.rejects: list[dict] = []  # inputs this shard was given and refused, kept with the shard
+        self.notes: list[dict] = []  # what a stored sequence's record should know (a conversation cut short)
         self.offsets = [0]
         self.response_spans: list[list[int]] = []  # per sequence: [start, end, ...] of its loss-mask runs
         self.response_tokens = 0
@@ -219,6 +220,11 @@ class ShardWriter:
         """Record that `seq_id` belonged to this shard's work but was refused (it counts as done)."""
         self.rejects.append({"seq_id": str(seq_id), "reason": reason, **fields})
 
+    def note(self, seq_id: str, text: str, **fields) -> None:
+        """Record something about a stored sequence (it was kept, unlike a reject); shard attrs and info carry the
+        notes only when there are some, so shards without any keep their attrs as before."""
+        self.notes.append({"seq_id": str(seq_id), "note": text, **fields})
+
     def _flush(self, final: bool) -> None:
         """Encode whole `shard_tokens` blocks (and, when final, the remainder) and append them to the data files."""
         step = self.layout.shard_tokens
@@ -261,6 +267,7 @@ class ShardWriter:
                 "layer_ids": list(self.layout.layer_ids),
                 "dtype": self.layout.dtype,
                 "complete": True,
+                **({"notes": self.notes} if self.notes else {}),
             }
         )
         fsync_tree(self.tmp)
@@ -273,6 +280,7 @@ class ShardWriter:
             "tokens": self.offsets[-1],
             "response_tokens": self.response_tokens,
             "rejects": self.rejects,
+            **({"notes": self.notes} if self.notes else {}),
             "bytes": dir_bytes(self.final if self.final.exists() else self.tmp),
             "committed": now(),
         }
