@@ -4,7 +4,7 @@ MODEL ?= smollm2-135m
 PY ?= .venv/bin/python
 ARGS ?=
 
-.PHONY: setup features train eval export-gguf llamacpp quick full demo test lint clean
+.PHONY: setup features train eval export-gguf llamacpp bench-llamacpp quick full demo test lint clean
 
 .venv/.installed: pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
@@ -74,6 +74,12 @@ export-gguf: setup
 
 llamacpp: setup
 	$(PY) benchmarks/llamacpp.py build
+
+# The drafter served in llama.cpp against its plain decoding, its n-gram modes and the harness, with the parity
+# check (benchmarks/bench_llamacpp.py; builds llama.cpp and converts the GGUFs first when needed).
+bench-llamacpp: setup
+	$(PY) benchmarks/bench_llamacpp.py --model $(MODEL) \
+		--drafter $(or $(DRAFTER),runs/$(or $(PROFILE),quick)-$(MODEL)/drafter) $(ARGS)
 
 test: setup
 	$(PY) -m pytest -q $(ARGS)
