@@ -4,7 +4,7 @@ MODEL ?= smollm2-135m
 PY ?= .venv/bin/python
 ARGS ?=
 
-.PHONY: setup features train eval quick full demo test lint clean
+.PHONY: setup features train eval export-gguf llamacpp bench-llamacpp quick full demo test lint clean
 
 .venv/.installed: pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
@@ -63,6 +63,23 @@ endif
 
 eval: setup
 	$(PY) -m harness model=$(MODEL) $(PROFILE_ARG) $(ARGS)
+
+# The drafter (DRAFTER, default the profile's run: runs/$(PROFILE or quick)-$(MODEL)/drafter) and its target as GGUF
+# with llama.cpp's own converter, into GGUF_DIR (default: gguf/ next to the drafter), weights as GGUF_TYPE (f32 keeps
+# the harness's). `make llamacpp` builds llama.cpp from the llama-cpp-python sdist once into the cache (minutes).
+GGUF_TYPE ?= f32
+export-gguf: setup
+	$(PY) benchmarks/llamacpp.py export-gguf $(or $(DRAFTER),runs/$(or $(PROFILE),quick)-$(MODEL)/drafter) \
+		--target $(MODEL) --outtype $(GGUF_TYPE) $(if $(GGUF_DIR),--out $(GGUF_DIR))
+
+llamacpp: setup
+	$(PY) benchmarks/llamacpp.py build
+
+# The drafter served in llama.cpp against its plain decoding, its n-gram modes and the harness, with the parity
+# check (benchmarks/bench_llamacpp.py; builds llama.cpp and converts the GGUFs first when needed).
+bench-llamacpp: setup
+	$(PY) benchmarks/bench_llamacpp.py --model $(MODEL) \
+		--drafter $(or $(DRAFTER),runs/$(or $(PROFILE),quick)-$(MODEL)/drafter) $(ARGS)
 
 test: setup
 	$(PY) -m pytest -q $(ARGS)

@@ -1,0 +1,298 @@
+"""A drafter served in llama.cpp against llama.cpp's plain decoding, its n-gram modes and the harness (#40).
+
+    .venv/bin/python benchmarks/bench_llamacpp.py [--drafter runs/quick-smollm2-135m/drafter] [--model smollm2-135m]
+        [--sources humaneval mtbench] [--limit 4] [--max-new-tokens 64] [--threads 2]
+        [--modes plain dflash ngram-simple ngram-map-k ngram-mod] [--no-harness]
+    make bench-llamacpp [ARGS="--limit 2"]
+
+Builds llama.cpp once into the cache and converts the drafter and its target to GGUF (benchmarks/llamacpp.py), then
+for each held-out prompt (rendered with the target's chat template, as the harness renders it) runs, greedy
+(`--temp 0 --top-k 1`), with the same batch, context, flash-attention and thread flags:
+  plain   llama-completion, llama.cpp's own plain decoding (tokens/s from its `eval time` line: the decode steps after
+          the prompt);
+  dflash  llama-speculative-simple with the drafter, `--spec-type draft-dflash --spec-draft-n-max N` (N: the
+          drafter's block size - 1, as the harness drafts);
+  other   llama-speculative-simple `--spec-type NAME` with no drafter (llama.cpp's n-gram types, default settings).
+For speculative modes tokens/s is from `decoded N tokens in T seconds` (the whole decode loop) and tau is committed
+tokens a target forward, read round by round from its debug log (`accepted A/D draft tokens`: A + 1 committed).
+
+Then the harness runs plain and dflash on the same prompts, same drafter, same thread count, the target in float32
+as llama.cpp's f32 GGUF holds it, the drafter scoring every word (eval.draft_vocab=0, as llama.cpp's drafter does),
+and the parity check compares the two independent implementations:
+  - tokens of llama.cpp's output (its text tokenized by the target's tokenizer) that equal the harness's plain
+    output before the first difference;
+  - rounds: where a round of llama.cpp's dflash and one of the harness's start at the same position within the
+    stretch both outputs agree on, they see the same context, so the same drafter must commit the same number of
+    tokens; the count of such rounds and of those that match is printed. (The rounds do not line up from the start:
+    the harness takes the first token from the prefill and drafts after it, llama.cpp drafts from the prompt's
+    last token.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import llamacpp
+from omegaconf import OmegaConf
+from tqdm import tqdm
+
+import flashdraft.target as ft
+from flashdraft.prompts import load_prompts
+
+PLAIN_EVAL = re.compile(r"eval time =\s*([\d.]+) ms /\s*(\d+) runs")
+SPEC_DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
+SPEC_COUNT = re.compile(r"^.*\b(n_predict|n_drafted|n_accept)\s*=\s*(\d+)", re.MULTILINE)
+
+
+def common_flags(args) -> list[str]:
+    """Flags every mode gets, so the rows differ only in how tokens are drafted."""
+    flags = ["-n", str(args.max_new_tokens), "--temp", "0", "--top-k", "1", "-t", str(args.threads)]
+    # The default batch (2048) made llama-speculative-simple several times slower per step than with 256 here, and
+    # its draft-dflash path with flash attention off slower still: batch and flash attention are set for every mode.
+    flags += ["-c", str(args.ctx_size), "-b", str(args.prompt_batch), "-ub", str(args.prompt_batch)]
+    return flags + ["-fa", args.flash_attn]
+
+
+def run_plain(tools: dict, target_gguf: Path, prompt_file: Path, args) -> dict:
+    cmd = [str(tools["llama-completion"]), "-m", str(target_gguf), "-f", str(prompt_file)]
+    cmd += common_flags(args)
+    cmd += ["-no-cnv", "--no-display-prompt"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cmd[0]} failed:\n{proc.stderr[-2000:]}")
+    # The prompt-eval line also says "eval time"; the plain decode line is the one that counts "runs".
+    ms, runs = PLAIN_EVAL.findall(proc.stderr)[-1]
+    # llama-completion prints a newline before the generated text (the prompt is not displayed).
+    text = proc.stdout[1:] if proc.stdout.startswith("\n") else proc.stdout
+    # Timed tokens are the decode steps after the prompt (the first token comes from the prompt's forward pass).
+    return {
+        "text": text.rstrip("\n"),
+        "tokens": int(runs),
+        "seconds": float(ms) / 1000,
+        "tokens_per_s": int(runs) / (float(ms) / 1000),
+    }
+
+
+SPEC_ROUND = re.compile(r"accepted (\d+)/(\d+) draft tokens")
+
+
+def run_speculative(tools: dict, gguf: dict, prompt_file: Path, spec_type: str, args, prompt_text: str) -> dict:
+    """One llama-speculative-simple run; with `args.rounds_log` its debug log gives committed tokens per round."""
+    cmd = [str(tools["llama-speculative-simple"]), "-m", str(gguf["target"]), "-f", str(prompt_file)]
+    cmd += common_flags(args)
+    cmd += ["--spec-type", spec_type]
+    if spec_type.startswith("draft-"):
+        cmd += ["-md", str(gguf["drafter"]), "--spec-draft-n-max", str(args.draft_n_max)]
+    if getattr(args, "rounds_log", False):
+        cmd += ["-v"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+    tokens, seconds = SPEC_DECODED.search(proc.stderr).groups()
+    counts = {name: int(value) for name, value in SPEC_COUNT.findall(proc.stderr)}
+    # Each round commits its accepted drafts plus one target token, so rounds = n_predict - n_accept.
+    rounds = counts["n_predict"] - counts["n_accept"]
+    # The tool echoes the prompt before the generated text, after two blank lines.
+    text = proc.stdout.lstrip("\n")
+    text = text[len(prompt_text) :] if text.startswith(prompt_text) else text
+    result = {
+        "text": text.rstrip("\n"),
+        "tokens": counts["n_predict"],
+        "seconds": float(seconds),
+        "tokens_per_s": int(tokens) / float(seconds),
+        "rounds": rounds,
+        "accepted": counts["n_accept"],
+        "drafted": counts["n_drafted"],
+    }
+    if getattr(args, "rounds_log", False):
+        result["round_lengths"] = [int(a) + 1 for a, _ in SPEC_ROUND.findall(proc.stderr)]
+    return result
+
+
+def common_prefix(a, b) -> int:
+    """Items of `a` and `b` that agree from the start (the runs stop at different lengths: compare the shorter)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def round_starts(lengths, first: int) -> dict[int, int]:
+    """{position of a round's first token in the output: tokens it committed}, rounds starting at `first`."""
+    starts, pos = {}, first
+    for length in lengths:
+        starts[pos] = length
+        pos += length
+    return starts
+
+
+def round_parity(harness_lengths, llama_lengths, agree: int) -> tuple[int, int]:
+    """(rounds of both that start at the same position and end within the `agree` tokens both outputs share,
+    how many of them committed the same number of tokens). The harness's rounds start after the prefill's token
+    (position 1), llama.cpp's at position 0."""
+    ours = round_starts(harness_lengths, 1)
+    theirs = round_starts(llama_lengths, 0)
+    shared = [p for p in ours if p in theirs and p + min(ours[p], theirs[p]) <= agree]
+    return len(shared), sum(ours[p] == theirs[p] for p in shared)
+
+
+def harness_runs(args, records) -> dict[tuple[str, str], dict]:
+    """The harness's plain and dflash on the same prompts (float32 target, every word scored, the bench's threads);
+    {(source, record_id): its runs.jsonl record}."""
+    with tempfile.TemporaryDirectory(prefix="bench-llamacpp-harness-") as out:
+        cmd = [sys.executable, "-m", "harness", f"model={args.model}", f"eval.prompts=[{','.join(args.sources)}]"]
+        cmd += [f"eval.limit={args.limit}", f"eval.max_new_tokens={args.max_new_tokens}", "eval.turns=single"]
+        cmd += ["eval.methods=[plain,dflash]", f"eval.drafter={Path(args.drafter).resolve()}", "eval.draft_vocab=0"]
+        cmd += [f"eval.out_dir={out}", f"eval.num_threads={args.threads}", "model.dtype=float32", "eval.resume=false"]
+        print("harness:", " ".join(cmd[1:]), flush=True)
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        lines = Path(out, "runs.jsonl").read_text().splitlines()
+    runs = {(r["source"], r["record_id"]): r for r in map(json.loads, lines)}
+    missing = [f"{r.source}/{r.record_id}" for r in records if (r.source, r.record_id) not in runs]
+    if missing:
+        raise RuntimeError(f"the harness did not run {missing}")
+    return runs
+
+
+def harness_row(method: dict) -> dict:
+    """tokens/s and tau of one harness measurement (decode steps after the prefill, as its report counts them)."""
+    lengths = method["acceptance_lengths"]
+    return {"tokens_per_s": sum(lengths) / method["decode_s"], "tau": sum(lengths) / len(lengths), "rounds": lengths}
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--drafter", default="runs/quick-smollm2-135m/drafter")
+    ap.add_argument("--model", default="smollm2-135m", help="conf/model/<name>.yaml: the target and its chat settings")
+    ap.add_argument("--sources", nargs="+", default=["humaneval", "mtbench"])
+    ap.add_argument("--limit", type=int, default=4, help="held-out prompts per source (the quick eval's)")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--draft-n-max", type=int, default=None, help="default: the drafter's block size - 1")
+    ap.add_argument("--modes", nargs="+", default=["plain", "dflash", "ngram-simple", "ngram-map-k", "ngram-mod"])
+    ap.add_argument("--no-harness", action="store_true", help="llama.cpp only: no harness rows, no parity check")
+    ap.add_argument("--batch", type=int, default=256, help="-b and -ub for every mode (raised to fit the prompt)")
+    ap.add_argument("--ctx-size", type=int, default=2048, help="-c for every mode")
+    ap.add_argument("--flash-attn", default="on", choices=["on", "off", "auto"], help="-fa for every mode")
+    ap.add_argument("--gguf-dir", default=None, help="default: gguf/ next to the drafter folder")
+    ap.add_argument("--outtype", default="f32")
+    ap.add_argument("--jobs", type=int, default=None, help="compile jobs for the one-time build")
+    ap.add_argument("--json", default=None, help="also write every run's figures here")
+    return ap.parse_args()
+
+
+def model_conf(name: str) -> tuple[str, dict]:
+    """(target, chat settings) of conf/model/<name>.yaml, so prompts render as the harness renders them."""
+    conf = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "model" / f"{name}.yaml")
+    chat = OmegaConf.to_container(conf.get("chat", {}) or {})
+    return conf.target, {k: chat.get(k) for k in ("system_prompt", "enable_thinking")}
+
+
+def run_modes(tools, gguf, prompt_text: str, n_prompt: int, tmp: Path, args) -> dict:
+    """Every mode of `args.modes` on one prompt: {mode: figures}; dflash once more with its round log."""
+    prompt_file = tmp / "prompt.txt"
+    prompt_file.write_text(prompt_text)
+    # llama-speculative-simple wants the whole prompt in one batch: raise the batch to fit, in steps of 64.
+    run_args = argparse.Namespace(**vars(args), prompt_batch=max(args.batch, (n_prompt + 16 + 63) // 64 * 64))
+    results = {}
+    for mode in args.modes:
+        if mode == "plain":
+            results[mode] = run_plain(tools, gguf["target"], prompt_file, run_args)
+        else:
+            spec_type = "draft-dflash" if mode == "dflash" else mode
+            results[mode] = run_speculative(tools, gguf, prompt_file, spec_type, run_args, prompt_text)
+    if "dflash" in results and not args.no_harness:  # the debug log is a separate, untimed run
+        logged = run_speculative(
+            tools, gguf, prompt_file, "draft-dflash", argparse.Namespace(**vars(run_args), rounds_log=True), prompt_text
+        )
+        results["dflash"]["round_lengths"] = logged["round_lengths"]
+    return results
+
+
+def parity(results: dict, harness: dict, tokenizer) -> dict:
+    """Tokens each llama.cpp mode shares with the harness's plain output, and the dflash round check."""
+    plain = harness["methods"]["plain"]["tokens"]
+    out = {}
+    for mode, r in results.items():
+        ids = tokenizer(r["text"], add_special_tokens=False).input_ids
+        out[mode] = {"agree": common_prefix(ids, plain), "of": min(len(ids), len(plain))}
+    if "dflash" in results and "round_lengths" in results["dflash"]:
+        ours = harness["methods"]["dflash"]
+        ids = tokenizer(results["dflash"]["text"], add_special_tokens=False).input_ids
+        agree = common_prefix(ids, ours["tokens"])
+        shared, equal = round_parity(ours["acceptance_lengths"], results["dflash"]["round_lengths"], agree)
+        out["rounds"] = {"agree": agree, "shared": shared, "equal": equal}
+    return out
+
+
+def print_totals(rows: list[dict], args) -> None:
+    print("\nengine    mode            tok/s    tau  (totals over prompts; tok/s = decode tokens / decode seconds)")
+    for mode in args.modes:
+        mine = [r["llama"][mode] for r in rows]
+        line = f"llama.cpp {mode:<14} {sum(m['tokens'] for m in mine) / sum(m['seconds'] for m in mine):7.2f}"
+        if "rounds" in mine[0]:
+            line += f"  {sum(m['tokens'] for m in mine) / sum(m['rounds'] for m in mine):5.2f}"
+        print(line)
+    if args.no_harness:
+        return
+    for method in ("plain", "dflash"):
+        ms = [r["harness"]["methods"][method] for r in rows]
+        tokens = sum(sum(m["acceptance_lengths"]) for m in ms)
+        rounds = sum(len(m["acceptance_lengths"]) for m in ms)
+        print(f"harness   {method:<14} {tokens / sum(m['decode_s'] for m in ms):7.2f}  {tokens / rounds:5.2f}")
+    agree = {
+        m: (sum(r["parity"][m]["agree"] for r in rows), sum(r["parity"][m]["of"] for r in rows)) for m in args.modes
+    }
+    print("\nparity with the harness's plain output (tokens before the first difference / tokens compared):")
+    print("  " + ", ".join(f"{m} {a}/{n}" for m, (a, n) in agree.items()))
+    if "dflash" in args.modes:
+        shared = sum(r["parity"]["rounds"]["shared"] for r in rows)
+        equal = sum(r["parity"]["rounds"]["equal"] for r in rows)
+        print(
+            f"dflash rounds starting at the same position on the agreeing stretch: {shared}; "
+            f"same tokens committed: {equal}"
+        )
+
+
+def main() -> None:
+    args = parse_args()
+    target, chat = model_conf(args.model)
+    tools = llamacpp.build(("llama-speculative-simple", "llama-completion"), jobs=args.jobs)
+    gguf = llamacpp.export_gguf(args.drafter, target, args.gguf_dir, args.outtype)
+    if args.draft_n_max is None:
+        block_size = json.loads((Path(args.drafter) / "config.json").read_text()).get("block_size", 16)
+        args.draft_n_max = block_size - 1
+    tokenizer = ft.load_tokenizer(target)
+    records = [r for source in args.sources for r in load_prompts(source, split="heldout", limit=args.limit)]
+    harness = {} if args.no_harness else harness_runs(args, records)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-llamacpp-") as tmp:
+        for record in tqdm(records, desc="llama.cpp", unit="prompt"):
+            prompt_text = ft.chat_text(tokenizer, list(record.messages), **chat)
+            n_prompt = len(tokenizer(prompt_text, add_special_tokens=False).input_ids)
+            row = {"source": record.source, "record_id": record.record_id, "prompt_tokens": n_prompt}
+            row["llama"] = run_modes(tools, gguf, prompt_text, n_prompt, Path(tmp), args)
+            if harness:
+                row["harness"] = harness[(record.source, record.record_id)]
+                if row["harness"]["prompt_tokens"] != n_prompt:
+                    raise RuntimeError(
+                        f"{record.source}/{record.record_id}: the harness's prompt has "
+                        f"{row['harness']['prompt_tokens']} tokens, this one {n_prompt}"
+                    )
+                row["parity"] = parity(row["llama"], row["harness"], tokenizer)
+            rows.append(row)
+    print_totals(rows, args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
