@@ -125,16 +125,18 @@ def test_setup_installs_each_package_pinned_without_its_dependencies():
         assert f'"{dist}==26.3"' in line
 
 
-def test_the_broad_override_adds_the_sources_to_quick_and_evaluates_every_kind():
+def test_the_broad_profile_adds_the_sources_to_quick_and_evaluates_every_kind():
     from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
 
     from flashdraft.config import register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base=None):
         quick = compose(config_name="config", overrides=["profile=quick"])
-        broad = compose(config_name="config", overrides=["profile=quick", "data=broad", "eval=broad"])
-        held = compose(config_name="config", overrides=["profile=quick", "eval=broad", "data=heldout"])
+        broad = compose(config_name="config", overrides=["profile=broad"])
+        held = compose(config_name="config", overrides=["profile=broad", "data=heldout"])  # make's held-out capture
+        before = compose(config_name="config", overrides=["profile=quick", "eval=broad", "data=heldout"])
         offline, full = (compose(config_name="config", overrides=[o]) for o in ("data=offline", "profile=full"))
     assert list(quick.data.sources) == ["humaneval", "mtbench", "pydocs"]  # quick itself is unchanged
     assert list(quick.eval.prompts) == ["humaneval", "mtbench"]
@@ -142,5 +144,9 @@ def test_the_broad_override_adds_the_sources_to_quick_and_evaluates_every_kind()
     assert (broad.data.limit, broad.data.max_new_tokens, broad.data.turns) == (64, 128, "single")  # quick's sizes
     assert list(broad.eval.prompts) == ["humaneval", "mtbench", *BROAD] and broad.eval.limit == quick.eval.limit
     assert list(held.data.sources) == list(broad.eval.prompts) and held.data.split == "heldout"
+    assert list(before.data.sources) == list(broad.eval.prompts) and before.data.split == "heldout"
+    assert broad.run_dir == "runs/broad-smollm2-135m" and held.features_dir == "runs/broad-smollm2-135m/features"
+    same = ("train", "drafter")  # quick's training and drafter: only the prompts differ
+    assert [OmegaConf.to_container(broad[k]) for k in same] == [OmegaConf.to_container(quick[k]) for k in same]
     assert set(BROAD) <= set(offline.data.sources) and set(BROAD) <= set(full.data.sources)
     assert set(BROAD) <= set(full.eval.prompts)
