@@ -15,7 +15,7 @@ Sources (`load_prompts(source)`):
   doc2dial         661 multi-turn chats (4-8 user turns; questions to a help desk about US government services,
                    ChatRAG-Bench's doc2dial conversations, user turns only: the grounding document and the
                    reference answers are left out): package nvidia-lm-eval==26.3, file
-                   lm_eval/tasks/chatrag_bench/dataset/nvidia_dragon_multiturn_retrieved.jsonl, package MIT /
+                   lm_eval/tasks/chatrag_bench/dataset/nvidia_dragon_multiturn_retrieved.jsonl, MIT and
                    Apache-2.0 (offline). Every user turn is kept: the first is `messages`, the rest `followups`
   PATH.jsonl       one record per line: {"messages": [...]} (OpenAI chat form) or {"prompt": "..."};
   PATH.parquet     same columns; an optional "id" column names the record
