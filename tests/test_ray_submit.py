@@ -19,7 +19,7 @@ from tests.test_pipeline import build_tiny_target
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = str(Path(sys.executable).parent)
 WHY = "relative: a Ray job runs in a copy of the working tree uploaded to the cluster"
-SOURCES, LIMIT = ["humaneval", "mtbench"], 4  # data=offline, data.limit=4
+SOURCES, LIMIT = ["humaneval", "mtbench"], 4  # data.sources, data.limit
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +64,7 @@ def test_a_submitted_capture_writes_every_prompt_once_into_the_shared_store(tmp_
         f"run_dir={run_dir}",
         "cluster.cpus_per_actor=1",
         "cluster.gpus_per_actor=0",
+        f"data.sources=[{','.join(SOURCES)}]",
         f"data.limit={LIMIT}",
         "data.max_new_tokens=8",
         "data.shard_size=2",
