@@ -118,6 +118,8 @@ class CaptureWorker:
             settings.target, resolve_dtype(settings.dtype, device), device, trust_remote_code=settings.trust_remote_code
         )
         self.stop_ids = stop_token_ids(self.model, self.tokenizer)
+        # a template that does not take enable_thinking renders every prompt alike: no mode to record
+        self.template_thinks = "enable_thinking" in str(getattr(self.tokenizer, "chat_template", "") or "")
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (self.stop_ids[0] if self.stop_ids else 0)
         self.batch_size, self.prefill_tokens, lines = self.budgets()
@@ -182,6 +184,10 @@ class CaptureWorker:
             enable_thinking=self.s.thinking_for(seq_id),
             system_prompt=self.s.system_prompt,
         )
+
+    def recorded_thinking(self, seq_id: str) -> bool | None:
+        """The mode a shard records for `seq_id`: what its template was given, None where the template ignores it."""
+        return self.s.thinking_for(seq_id) if self.template_thinks else None
 
     def _ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -261,14 +267,14 @@ class CaptureWorker:
             for i, out in self._capture(encoded, task_seed(self.s.seed, task.name, 0)):
                 seq_id = encoded[i][0].seq_id
                 shard.append(
-                    seq_id, out.input_ids, out.loss_mask, out.features, out.teacher, self.s.thinking_for(seq_id)
+                    seq_id, out.input_ids, out.loss_mask, out.features, out.teacher, self.recorded_thinking(seq_id)
                 )
             if chats:  # each turn's round draws from its own seed (round 0 is the single-turn decode's)
                 seeds = lambda turn: task_seed(self.s.seed, task.name, 1 + turn)  # noqa: E731
                 for conv, out in regenerate_conversations(self, chats, seeds):
                     seq_id = conv.record.seq_id
                     shard.append(
-                        seq_id, out.input_ids, out.loss_mask, out.features, out.teacher, self.s.thinking_for(seq_id)
+                        seq_id, out.input_ids, out.loss_mask, out.features, out.teacher, self.recorded_thinking(seq_id)
                     )
                     for text in conv.notes:
                         shard.note(conv.record.seq_id, text, turns=len(conv.users))
