@@ -22,7 +22,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from flashdraft.config import EvalConfig, as_settings, register_configs
+from flashdraft.config import EvalConfig, as_settings, register_configs, thinking_setting
 from flashdraft.store import StoreReader, is_store
 from flashdraft.target import (
     exact_gemm_rows,
@@ -37,7 +37,14 @@ from flashdraft.target import (
 from flashdraft.vocab import frequent_tokens
 from harness.datastore import Datastore
 from harness.drafter import DrafterProposer, load_drafter
-from harness.evaluate import UNTRAINED_WARNING, build_prompts, environment, evaluate, finished_records
+from harness.evaluate import (
+    UNTRAINED_WARNING,
+    build_prompts,
+    environment,
+    evaluate,
+    finished_records,
+    thinking_modes,
+)
 from harness.methods import DRAFTER_METHODS, DecodeSettings, build_policies
 from harness.pictures import acceptance_lengths_by_source, plot_acceptance, plot_training
 from harness.policies import ChainPolicy, TreePolicy
@@ -165,7 +172,9 @@ def build(cfg: DictConfig, config: EvalConfig) -> Bench:
         split=config.split,
         limit=config.limit,
         system_prompt=chat.system_prompt,
-        enable_thinking=chat.enable_thinking,
+        modes=thinking_modes(
+            thinking_setting(config.thinking, "eval.thinking", ("on", "off", "both")), chat.enable_thinking
+        ),
     )
     proposer, vocab_info = with_draft_vocab(proposer, config, prompts, target.config.vocab_size)
     datastore, datastore_info = load_datastore(config, prompts)
@@ -240,7 +249,7 @@ def measure(bench: Bench, config: EvalConfig, model_target: str) -> tuple[list[d
         bench.facts["draft_vocab"],
         {"attention": facts["attention"], "gemm_rows": facts["exact_gemm_rows"]},
     )
-    seq_ids = [p.seq_id for p in bench.prompts]
+    seq_ids = [p.key for p in bench.prompts]
     done = {}
     if config.resume:
         done = finished_records(log_path, key, seq_ids)
@@ -271,7 +280,7 @@ def replay(bench: Bench, config: EvalConfig) -> dict | None:
     store, proposer, s = config.replay_store, bench.proposer, bench.settings
     if proposer is None or bench.untrained or s.temperature > 0 or not (store and is_store(store)):
         return None
-    seq_ids = [p.seq_id for p in bench.prompts]
+    seq_ids = list(dict.fromkeys(p.seq_id for p in bench.prompts))  # a record evaluated in two modes: once
     result = replay_tau(ChainPolicy(proposer, cutoff=s.draft_cutoff), store, seq_ids, max_new_tokens=s.max_new_tokens)
     if "dflash_tree" in bench.policies and result:
         tree = replay_tau(

@@ -56,8 +56,17 @@ def method_summary(records, method, *, greedy: bool, block_size: int | None = No
     return summary
 
 
+def thinking_name(record) -> str | None:
+    """A record's thinking mode as the report names it: on, off, or None where none was set."""
+    mode = record.get("thinking")
+    return None if mode is None else ("on" if mode else "off")
+
+
 def summarize(records, methods, *, greedy: bool, block_size: int | None) -> dict:
+    """Per method: the summary over all records, `by_source`, and `by_thinking` (on / off) where the records carry
+    a thinking mode: a drafter trained in one mode accepts far less in the other, so the modes are kept apart."""
     out = {}
+    modes = [m for m in dict.fromkeys(thinking_name(r) for r in records) if m is not None]
     for method in methods:
         out[method] = method_summary(records, method, greedy=greedy, block_size=block_size)
         out[method]["by_source"] = {
@@ -66,4 +75,11 @@ def summarize(records, methods, *, greedy: bool, block_size: int | None) -> dict
             )
             for source in dict.fromkeys(r["source"] for r in records)
         }
+        if modes:
+            out[method]["by_thinking"] = {
+                mode: method_summary(
+                    [r for r in records if thinking_name(r) == mode], method, greedy=greedy, block_size=block_size
+                )
+                for mode in modes
+            }
     return out
