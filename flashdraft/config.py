@@ -97,6 +97,11 @@ class DataConfig:
     # regenerate mode: all: every user turn answered in order against the target's own earlier answers, one sequence
     # a conversation (pipeline/turns.py) | single: the record's final user turn only (later followups dropped)
     turns: str = "all"
+    # the template's enable_thinking per prompt (Qwen3): a drafter serves well only in the modes it was trained on.
+    # None: model.chat.enable_thinking for every prompt | on | off | mixed: thinking_share of the prompts on, each
+    # prompt's mode drawn from a hash of its seq_id (a rerun or resume picks the same); shards record each mode
+    thinking: str | None = None
+    thinking_share: float = 0.5
     max_new_tokens: int = 512
     max_length: int = 3072  # prompt + response tokens
     max_prompt_tokens: int = 2048  # longer prompts are rejected
@@ -116,6 +121,17 @@ class DataConfig:
     shard_size: int = 32  # prompts per fleet task = per store shard
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
+
+
+def thinking_setting(value, key: str, choices: tuple[str, ...]) -> str | None:
+    """`data.thinking` / `eval.thinking` as one of `choices` (None: the model's chat default). A yaml `on`/`off` or
+    `true`/`false` may arrive as a boolean, or as its text through a str field."""
+    text = {"true": "on", "false": "off", "none": None, "null": None}.get(str(value).lower(), str(value).lower())
+    if value is None or text is None:
+        return None
+    if text not in choices:
+        raise ValueError(f"{key} must be one of {list(choices)} or null, got {value!r}")
+    return text
 
 
 def source_figures(figures: dict) -> dict[str, SourceFigures]:
@@ -230,6 +246,9 @@ class EvalConfig:
     # (conf/profile/quick.yaml) keeps single, as its published figures were made.
     turns: str = "all"
     max_new_tokens: int = 64
+    # the template's enable_thinking (Qwen3): None: model.chat.enable_thinking | on | off | both: every prompt in
+    # each mode, the report giving tau per mode (a drafter accepts well only in the modes it was trained on)
+    thinking: str | None = None
     temperature: float = 0.0  # 0: greedy, outputs compared token for token with plain decoding
     top_p: float = 1.0
     top_k: int = 0  # 0: off

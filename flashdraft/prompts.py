@@ -102,6 +102,11 @@ def hash_fraction(key: str) -> float:
     return int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) / 0x1_0000_0000
 
 
+def thinking_of(seq_id: str, share: float) -> bool:
+    """Whether a mixed capture renders `seq_id` with thinking on: a stable draw, `share` of the prompts on."""
+    return hash_fraction("thinking:" + seq_id) < share
+
+
 def split_of(seq_id: str, heldout_fraction: float = DEFAULT_HELDOUT_FRACTION) -> str:
     return "heldout" if hash_fraction("split:" + seq_id) < heldout_fraction else "train"
 

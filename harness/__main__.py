@@ -24,7 +24,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from flashdraft.config import EvalConfig, as_settings, register_configs
+from flashdraft.config import EvalConfig, as_settings, register_configs, thinking_setting
 from flashdraft.store import StoreReader, is_store
 from flashdraft.target import (
     exact_gemm_rows,
@@ -39,7 +39,15 @@ from flashdraft.target import (
 from flashdraft.vocab import frequent_tokens
 from harness.datastore import Datastore
 from harness.drafter import DrafterProposer, load_drafter
-from harness.evaluate import UNTRAINED_WARNING, build_prompts, environment, evaluate, finished_records, next_turn
+from harness.evaluate import (
+    UNTRAINED_WARNING,
+    build_prompts,
+    environment,
+    evaluate,
+    finished_records,
+    next_turn,
+    thinking_modes,
+)
 from harness.methods import DRAFTER_METHODS, DecodeSettings, build_policies
 from harness.pictures import acceptance_lengths_by_source, plot_acceptance, plot_training
 from harness.policies import ChainPolicy, TreePolicy
@@ -169,6 +177,9 @@ def build(cfg: DictConfig, config: EvalConfig) -> Bench:
         system_prompt=chat.system_prompt,
         enable_thinking=chat.enable_thinking,
         turns=config.turns,
+        modes=thinking_modes(
+            thinking_setting(config.thinking, "eval.thinking", ("on", "off", "both")), chat.enable_thinking
+        ),
     )
     proposer, vocab_info = with_draft_vocab(proposer, config, prompts, target.config.vocab_size)
     datastore, datastore_info = load_datastore(config, prompts)
@@ -243,7 +254,7 @@ def measure(bench: Bench, config: EvalConfig, model_target: str) -> tuple[list[d
         bench.facts["draft_vocab"],
         {"attention": facts["attention"], "gemm_rows": facts["exact_gemm_rows"]},
     )
-    turns = {p.seq_id: 1 + len(p.followups) for p in bench.prompts}  # eval.turns=single: no followups
+    turns = {p.key: 1 + len(p.followups) for p in bench.prompts}  # eval.turns=single: no followups
     done = {}
     if config.resume:
         done = finished_records(log_path, key, turns)
@@ -276,7 +287,7 @@ def replay(bench: Bench, config: EvalConfig) -> dict | None:
     store, proposer, s = config.replay_store, bench.proposer, bench.settings
     if proposer is None or bench.untrained or s.temperature > 0 or not (store and is_store(store)):
         return None
-    seq_ids = [p.seq_id for p in bench.prompts]
+    seq_ids = list(dict.fromkeys(p.seq_id for p in bench.prompts))  # a record evaluated in two modes: once
     result = replay_tau(ChainPolicy(proposer, cutoff=s.draft_cutoff), store, seq_ids, max_new_tokens=s.max_new_tokens)
     if "dflash_tree" in bench.policies and result:
         tree = replay_tau(

@@ -44,17 +44,42 @@ class EvalPrompt:
     messages: tuple = ()  # the conversation `input_ids` renders (for the next turn's)
     followups: tuple = ()  # the user turns still to come (eval.turns=single: none)
     chat: dict = field(default_factory=dict)  # chat_input_ids options the prompt was rendered with
+    thinking: bool | None = None  # the chat template's enable_thinking it was rendered with (None: not set)
+
+    @property
+    def key(self) -> str:
+        """What runs.jsonl knows the conversation by: its seq_id, and its thinking mode where one was set."""
+        return prompt_key(self.seq_id, self.thinking)
 
 
 TURNS = ("all", "single")
 TURN_SEED_STRIDE = 100_003  # a later turn's sampling seed: the first turn's plus this per turn, apart from others'
 
 
+def prompt_key(seq_id: str, thinking: bool | None) -> str:
+    return seq_id if thinking is None else f"{seq_id}|thinking={'on' if thinking else 'off'}"
+
+
+def thinking_modes(setting: str | None, chat_default: bool | None) -> list[bool | None]:
+    """The enable_thinking values eval.thinking asks for (None: the model's chat default, as before the setting)."""
+    return {None: [chat_default], "on": [True], "off": [False], "both": [True, False]}[setting]
+
+
 def build_prompts(
-    tokenizer, sources, *, split="heldout", limit=None, system_prompt=None, enable_thinking=None, turns="all"
+    tokenizer,
+    sources,
+    *,
+    split="heldout",
+    limit=None,
+    system_prompt=None,
+    enable_thinking=None,
+    turns="all",
+    modes=None,
 ) -> list[EvalPrompt]:
     """Chat-templated first-turn prompts, `limit` per source. Multi-turn sources (MT-Bench) keep their later user
-    turns as `followups` with turns=all, for `evaluate` to ask after each answer; turns=single drops them."""
+    turns as `followups` with turns=all, for `evaluate` to ask after each answer; turns=single drops them. `modes`
+    (enable_thinking values, `thinking_modes`) renders each record once per mode, the modes of a record next to
+    each other so that load drifts hit them alike; without it, each record once with `enable_thinking`."""
     if turns not in TURNS:
         raise ValueError(f"eval.turns must be one of {TURNS}, not {turns!r}")
     prompts = []
@@ -64,9 +89,13 @@ def build_prompts(
         if not records:
             raise ValueError(f"prompt source {source!r} has no {split!r} prompts")
         for r in records:
-            ids = chat_input_ids(tokenizer, list(r.messages), **chat)
             followups = tuple(r.followups) if turns == "all" else ()
-            prompts.append(EvalPrompt(r.source, r.record_id, ids, r.seq_id, 1, tuple(r.messages), followups, chat))
+            for mode in [enable_thinking] if modes is None else modes:
+                chat = {"enable_thinking": mode, "system_prompt": system_prompt}
+                ids = chat_input_ids(tokenizer, list(r.messages), **chat)
+                prompts.append(
+                    EvalPrompt(r.source, r.record_id, ids, r.seq_id, 1, tuple(r.messages), followups, chat, mode)
+                )
     return prompts
 
 
@@ -90,10 +119,10 @@ def next_turn(tokenizer, prompt: EvalPrompt, answer: list[int], stop_token_ids=(
 
 
 def finished_records(log_path, run_key: str, turns: dict[str, int]) -> dict[tuple[str, int], dict]:
-    """The prompt turns an earlier, interrupted run with the same `run_key` finished, by (seq_id, turn), of the
-    prompts in `turns` (seq_id -> turns asked for; a line without a turn is a first turn). The log is rewritten to
-    hold just those lines (a line cut short by the crash, from other settings or for prompt turns not asked for now
-    is dropped)."""
+    """The prompt turns an earlier, interrupted run with the same `run_key` finished, by (`EvalPrompt.key`, turn),
+    of the prompts in `turns` (key -> turns asked for; a line without a turn is a first turn). The log is rewritten
+    to hold just those lines (a line cut short by the crash, from other settings or for prompt turns not asked for
+    now is dropped)."""
     log_path = Path(log_path)
     if not log_path.is_file():
         return {}
@@ -105,9 +134,9 @@ def finished_records(log_path, run_key: str, turns: dict[str, int]) -> dict[tupl
             continue
         if not isinstance(record, dict) or record.get("run_key") != run_key:
             continue
-        seq_id, turn = record.get("seq_id"), record.get("turn", 1)
-        if isinstance(seq_id, str) and isinstance(turn, int) and 1 <= turn <= turns.get(seq_id, 0):
-            done[record["seq_id"], turn] = record
+        key, turn = prompt_key(record.get("seq_id"), record.get("thinking")), record.get("turn", 1)
+        if isinstance(record.get("seq_id"), str) and isinstance(turn, int) and 1 <= turn <= turns.get(key, 0):
+            done[key, turn] = record
     tmp = log_path.with_name(log_path.name + ".tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in done.values()))
     tmp.replace(log_path)
@@ -148,9 +177,10 @@ def evaluate(
 ) -> list[dict]:
     """Run every method of `policies` (`harness.methods.build_policies`) on every prompt turn (methods interleaved
     per turn, so load drifts hit all alike). One line per prompt turn is appended to `log_path` as it finishes
-    (tagged with `run_key`); turns in `done` ((seq_id, turn) -> record, from `finished_records`) are taken as they
-    are. `follow(prompt, answer)` (`next_turn` with the tokenizer) gives a prompt's next turn from plain decoding's
-    answer (the first method's without plain); without it, or a prompt without followups, one turn is run."""
+    (tagged with `run_key`); turns in `done` ((`EvalPrompt.key`, turn) -> record, from `finished_records`) are taken
+    as they are. `follow(prompt, answer)` (`next_turn` with the tokenizer) gives a prompt's next turn from plain
+    decoding's answer (the first method's without plain); without it, or a prompt without followups, one turn is
+    run."""
     done = done or {}
     if any(method not in record["methods"] for record in done.values() for method in policies):
         raise ValueError("finished records lack some of the methods asked for; their run_key must cover the methods")
@@ -179,7 +209,7 @@ def evaluate(
     try:
         for i, prompt in enumerate(prompts):
             while True:
-                record = done.get((prompt.seq_id, prompt.turn))
+                record = done.get((prompt.key, prompt.turn))
                 if record is None:
                     seed = settings.seed + i + TURN_SEED_STRIDE * (prompt.turn - 1)
                     record = new_record(prompt, run_key)
@@ -210,6 +240,7 @@ def new_record(prompt: EvalPrompt, run_key=None) -> dict:
         "record_id": prompt.record_id,
         "seq_id": prompt.seq_id,
         "turn": prompt.turn,
+        **({} if prompt.thinking is None else {"thinking": prompt.thinking}),
         "prompt_tokens": len(prompt.input_ids),
         "methods": {},
     }

@@ -102,6 +102,7 @@ def render_markdown(report: dict) -> str:
     sources = list(next(iter(methods.values()))["by_source"])
     for source in sources:
         out += [f"## {source}", "", methods_table({name: m["by_source"][source] for name, m in methods.items()}), ""]
+    out += _thinking_sections(methods)
     for method in (m for m in DRAFTER_METHODS if m in methods):
         out += _rounds_section(method, methods[method], s)
     out += _training_section(report)
@@ -195,10 +196,33 @@ def _training_section(report: dict) -> list[str]:
     return out
 
 
+def _thinking_sections(methods: dict) -> list[str]:
+    """One table per thinking mode (eval.thinking): every method's tau and speedup on that mode's prompts."""
+    out = []
+    for mode in next(iter(methods.values())).get("by_thinking", {}):
+        table = methods_table({name: m["by_thinking"][mode] for name, m in methods.items()})
+        out += [f"## thinking {mode}", "", table, ""]
+    return out
+
+
+def thinking_tau_line(methods: dict) -> str | None:
+    """tau per thinking mode of every method that has one, on one line (None without modes)."""
+    modes = next(iter(methods.values())).get("by_thinking", {})
+    if not modes:
+        return None
+    parts = [
+        f"{mode}: " + ", ".join(f"{name} {_fmt(m['by_thinking'][mode]['tau'])}" for name, m in methods.items())
+        for mode in modes
+    ]
+    return "tau by thinking mode: " + "; ".join(parts)
+
+
 def console_summary(report: dict) -> str:
     """What `python -m harness` prints: the methods table, each drafter method's rounds, train/serve parity."""
     untrained = "\n!!! " + report["warning"] + "\n" if report.get("warning") else ""
     lines = [untrained + "\n" + methods_table(report["methods"]), breakdown_table(report["methods"])]
+    if by_mode := thinking_tau_line(report["methods"]):
+        lines.append(by_mode)
     for method in (m for m in DRAFTER_METHODS if m in report["methods"]):
         d = report["methods"][method]
         verified = "" if d.get("verified_drafts") is None else f"; drafts verified per round {d['verified_drafts']:.2f}"

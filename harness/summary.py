@@ -56,18 +56,29 @@ def method_summary(records, method, *, greedy: bool, block_size: int | None = No
     return summary
 
 
+def thinking_name(record) -> str | None:
+    """A record's thinking mode as the report names it: on, off, or None where none was set."""
+    mode = record.get("thinking")
+    return None if mode is None else ("on" if mode else "off")
+
+
 def summarize(records, methods, *, greedy: bool, block_size: int | None) -> dict:
-    """Each method's summary over every record, with the same summary per prompt source (`by_source`) and per
-    conversation turn (`by_turn`, "1", "2", ...: a record without a turn is a first turn)."""
+    """Each method's summary over every record, with the same summary per prompt source (`by_source`), per
+    conversation turn (`by_turn`, "1", "2", ...: a record without a turn is a first turn) and per thinking mode
+    (`by_thinking`, on / off, where the records carry one: a drafter trained in one mode accepts far less in the
+    other, so the modes are kept apart)."""
     out = {}
+    modes = [m for m in dict.fromkeys(thinking_name(r) for r in records) if m is not None]
     for method in methods:
         out[method] = method_summary(records, method, greedy=greedy, block_size=block_size)
-        for name, key in (("by_source", _source), ("by_turn", _turn)):
+        keys = [("by_source", _source), ("by_turn", _turn)] + ([("by_thinking", thinking_name)] if modes else [])
+        for name, key in keys:
             out[method][name] = {
                 value: method_summary(
                     [r for r in records if key(r) == value], method, greedy=greedy, block_size=block_size
                 )
                 for value in dict.fromkeys(key(r) for r in records)
+                if value is not None
             }
     return out
 

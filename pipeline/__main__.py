@@ -27,6 +27,7 @@ from flashdraft.config import (  # noqa: E402
     as_settings,
     register_configs,
     source_figures,
+    thinking_setting,
 )
 from flashdraft.prompts import PromptSourceUnavailable  # noqa: E402
 from flashdraft.spec import capture_layer_ids, check_layer_ids, default_layer_ids  # noqa: E402
@@ -86,10 +87,18 @@ def settings_from(cfg: DictConfig, offline_ok: bool = False) -> CaptureSettings:
         sampling=OmegaConf.to_object(d.sampling),
         seed=int(cfg.seed),
         system_prompt=m.chat.system_prompt,
-        enable_thinking=m.chat.enable_thinking,
+        **thinking_settings(m.chat.enable_thinking, d.thinking, d.thinking_share),
         trust_remote_code=bool(cfg.trust_remote_code),
         torch_threads=int(max(1, cfg.cluster.cpus_per_actor)),
     )
+
+
+def thinking_settings(enable_thinking, thinking, share) -> dict:
+    """CaptureSettings' enable_thinking and thinking_share from model.chat.enable_thinking and data.thinking."""
+    mode = thinking_setting(thinking, "data.thinking", ("on", "off", "mixed"))
+    if mode == "mixed":
+        return {"enable_thinking": enable_thinking, "thinking_share": float(share)}
+    return {"enable_thinking": enable_thinking if mode is None else mode == "on"}
 
 
 def fleet_from(cfg: DictConfig) -> FleetConfig:

@@ -96,7 +96,7 @@ def mean_prompt_tokens(records, settings: CaptureSettings, sample: int = 256) ->
             lens.append(sum(len(m["content"]) for m in msgs) / 4 + 8 * len(msgs))
         else:
             ids = chat_input_ids(
-                tokenizer, msgs, enable_thinking=settings.enable_thinking, system_prompt=settings.system_prompt
+                tokenizer, msgs, enable_thinking=settings.thinking_for(r.seq_id), system_prompt=settings.system_prompt
             )
             lens.append(len(ids))
     return sum(lens) / max(1, len(lens))

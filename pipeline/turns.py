@@ -115,7 +115,7 @@ def next_prompt(worker, conv: Conversation) -> None:
     ends with the turns done."""
     done, total, s = len(conv.answers), len(conv.users), worker.s
     try:
-        rendered = worker._ids(worker._render(conv.messages()))
+        rendered = worker._ids(worker._render(conv.messages(), conv.record.seq_id))
     except Exception as e:  # noqa: BLE001 - a template that cannot render the continuation ends the conversation
         conv.notes.append(f"chat template failed on turn {done + 1} ({type(e).__name__}): kept {done} of {total} turns")
         conv.ended = True

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from flashdraft.config import SamplingConfig
-from flashdraft.prompts import PromptRecord
+from flashdraft.prompts import PromptRecord, thinking_of
 from flashdraft.store import ShardWriter, StoreLayout, read_manifest, shard_exists
 from flashdraft.store.files import shard_dir
 from flashdraft.store.space import check_free_space
@@ -53,6 +53,8 @@ class CaptureSettings:
     seed: int = 0
     system_prompt: str | None = None
     enable_thinking: bool | None = None
+    # set: each prompt's enable_thinking is drawn from its seq_id, this share on (flashdraft.prompts.thinking_of)
+    thinking_share: float | None = None
     trust_remote_code: bool = False
     torch_threads: int | None = None
 
@@ -65,6 +67,8 @@ class CaptureSettings:
             value = getattr(self, key)
             if value != "auto" and not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"data.{key} must be a positive number or auto, got {value!r}")
+        if self.thinking_share is not None and not 0 <= self.thinking_share <= 1:
+            raise ValueError(f"data.thinking_share must be in [0, 1], got {self.thinking_share}")
         if not 0 < self.gpu_memory_fraction <= 1:
             raise ValueError(f"data.gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
 
@@ -79,7 +83,15 @@ class CaptureSettings:
         d["layer_ids"] = list(self.layer_ids)
         if self.turns == "single" or self.mode == "capture":  # what every store before the setting holds
             d.pop("turns")
+        if self.thinking_share is None:  # what every store before the setting holds
+            d.pop("thinking_share")
         return d
+
+    def thinking_for(self, seq_id: str) -> bool | None:
+        """The enable_thinking prompt `seq_id` is rendered with: drawn from its id in a mixed capture."""
+        if self.thinking_share is None:
+            return self.enable_thinking
+        return thinking_of(seq_id, self.thinking_share)
 
 
 @dataclass(frozen=True)
@@ -106,6 +118,8 @@ class CaptureWorker:
             settings.target, resolve_dtype(settings.dtype, device), device, trust_remote_code=settings.trust_remote_code
         )
         self.stop_ids = stop_token_ids(self.model, self.tokenizer)
+        # a template that does not take enable_thinking renders every prompt alike: no mode to record
+        self.template_thinks = "enable_thinking" in str(getattr(self.tokenizer, "chat_template", "") or "")
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (self.stop_ids[0] if self.stop_ids else 0)
         self.batch_size, self.prefill_tokens, lines = self.budgets()
@@ -162,14 +176,18 @@ class CaptureWorker:
 
     # --- prompts -> token ids ----------------------------------------------------------------
 
-    def _render(self, messages, add_generation_prompt=True) -> str:
+    def _render(self, messages, seq_id: str, add_generation_prompt=True) -> str:
         return chat_text(
             self.tokenizer,
             list(messages),
             add_generation_prompt=add_generation_prompt,
-            enable_thinking=self.s.enable_thinking,
+            enable_thinking=self.s.thinking_for(seq_id),
             system_prompt=self.s.system_prompt,
         )
+
+    def recorded_thinking(self, seq_id: str) -> bool | None:
+        """The mode a shard records for `seq_id`: what its template was given, None where the template ignores it."""
+        return self.s.thinking_for(seq_id) if self.template_thinks else None
 
     def _ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -190,7 +208,7 @@ class CaptureWorker:
                     msgs = [*system, {"role": "user", "content": users[0]}]
                 while msgs and msgs[-1]["role"] == "assistant":
                     msgs.pop()
-                ids = self._ids(self._render(msgs))
+                ids = self._ids(self._render(msgs, record.seq_id))
                 if len(ids) > s.max_prompt_tokens or len(ids) >= s.max_length:
                     limits = f"max_prompt_tokens {s.max_prompt_tokens}, max_length {s.max_length}"
                     return f"prompt too long ({len(ids)} tokens; {limits})"
@@ -199,7 +217,8 @@ class CaptureWorker:
                 return ids, None
             if not record.has_response:
                 return "no response to capture (capture mode needs a final assistant turn)"
-            prefix_text, full_text = self._render(msgs[:-1]), self._render(msgs, add_generation_prompt=False)
+            prefix_text = self._render(msgs[:-1], record.seq_id)
+            full_text = self._render(msgs, record.seq_id, add_generation_prompt=False)
         except Exception as e:  # noqa: BLE001 - a template that cannot render this record rejects it
             return f"chat template failed: {type(e).__name__}: {str(e)[:200]}"
         if not full_text.startswith(prefix_text):
@@ -246,11 +265,17 @@ class CaptureWorker:
                 shard.reject(rec.seq_id, reason, source=rec.source, record_id=rec.record_id)
             encoded.sort(key=lambda x: len(x[1]))  # similar lengths batch (and join the batch) with little padding
             for i, out in self._capture(encoded, task_seed(self.s.seed, task.name, 0)):
-                shard.append(encoded[i][0].seq_id, out.input_ids, out.loss_mask, out.features, out.teacher)
+                seq_id = encoded[i][0].seq_id
+                shard.append(
+                    seq_id, out.input_ids, out.loss_mask, out.features, out.teacher, self.recorded_thinking(seq_id)
+                )
             if chats:  # each turn's round draws from its own seed (round 0 is the single-turn decode's)
                 seeds = lambda turn: task_seed(self.s.seed, task.name, 1 + turn)  # noqa: E731
                 for conv, out in regenerate_conversations(self, chats, seeds):
-                    shard.append(conv.record.seq_id, out.input_ids, out.loss_mask, out.features, out.teacher)
+                    seq_id = conv.record.seq_id
+                    shard.append(
+                        seq_id, out.input_ids, out.loss_mask, out.features, out.teacher, self.recorded_thinking(seq_id)
+                    )
                     for text in conv.notes:
                         shard.note(conv.record.seq_id, text, turns=len(conv.users))
         return {"info": shard.info(), "pid": os.getpid(), "seconds": time.time() - t0}

@@ -56,6 +56,7 @@ def _convert_shard(old: Path, writer: StoreWriter, name: str) -> None:
     attrs = read_shard_attrs(old)
     arrays = {k: zarr.open_array(str(old / k), mode="r") for k in old_array_keys(writer.layout)}
     offsets, ids = attrs["offsets"], attrs["seq_ids"]
+    thinking = attrs.get("thinking") or [None] * len(ids)
     with writer.shard(name) as shard:
         j = 0
         while j < len(ids):
@@ -65,7 +66,7 @@ def _convert_shard(old: Path, writer: StoreWriter, name: str) -> None:
             block = stacked({key: np.asarray(a[offsets[j] : offsets[k]]) for key, a in arrays.items()}, writer.layout)
             for m in range(j, k):
                 a, b = offsets[m] - offsets[j], offsets[m + 1] - offsets[j]
-                shard.append_stored(ids[m], {key: rows[a:b] for key, rows in block.items()})
+                shard.append_stored(ids[m], {key: rows[a:b] for key, rows in block.items()}, thinking[m])
             j = k
         shard.rejects = list(attrs.get("rejects", []))
         shard.notes = list(attrs.get("notes", []))

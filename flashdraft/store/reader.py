@@ -55,7 +55,8 @@ class StoreReader:
 
     Safe to pickle into DataLoader workers (the index cache is dropped). `response_spans` is the
     per-sequence index of the loss masks' True runs, (sequence, start, end) arrays, read from the shards'
-    attributes; None for a store written before shards kept it.
+    attributes; None for a store written before shards kept it. `thinking` is each sequence's chat-template
+    enable_thinking (True, False, or None: not recorded, as in a shard of a non-thinking target or an older one).
     """
 
     def __init__(self, path: str | Path):
@@ -66,7 +67,7 @@ class StoreReader:
         self.hidden_size = self.layout.hidden_size
         self.dtype = self.layout.dtype
         self._shards: list[_Shard] = []
-        seq_ids, lengths, shard_of, index_in, spans = [], [], [], [], []
+        seq_ids, lengths, shard_of, index_in, spans, thinking = [], [], [], [], [], []
         for k, entry in enumerate(self.manifest["shards"]):
             d = shard_dir(self.path, entry["name"])
             attrs = read_shard_attrs(d)
@@ -77,6 +78,7 @@ class StoreReader:
                 )
             self._shards.append(_Shard(entry["name"], d, offsets))
             seq_ids.extend(attrs["seq_ids"])
+            thinking.extend(attrs.get("thinking") or [None] * len(attrs["seq_ids"]))
             lengths.append(np.diff(offsets))
             shard_of.append(np.full(len(offsets) - 1, k, dtype=np.int32))
             index_in.append(np.arange(len(offsets) - 1, dtype=np.int64))
@@ -85,6 +87,7 @@ class StoreReader:
             else:  # a shard written before the index: start-up reads the loss masks instead
                 spans = None
         self.seq_ids: list[str] = seq_ids
+        self.thinking: list[bool | None] = thinking
         self.lengths = _concat(lengths, np.int64)
         self._shard_of = _concat(shard_of, np.int32)
         self._index_in = _concat(index_in, np.int64)

@@ -104,6 +104,9 @@ def _check_shard(check: _Check, entry: dict) -> None:
         mask = rows if key == "loss_mask" else mask
     if mask is not None and "response_spans" in attrs and len(offsets) == len(ids) + 1:
         _check_spans(d, attrs["response_spans"], mask.astype(bool), offsets, ids, problems)
+    thinking = attrs.get("thinking")
+    if thinking is not None and (len(thinking) != len(ids) or any(t not in (True, False, None) for t in thinking)):
+        problems.append(f"shard {name}: thinking must hold true, false or null for each of its {len(ids)} sequences")
     check.tally.update(sequences=len(ids), tokens=T)
 
 

@@ -98,6 +98,7 @@ class ShardWriter:
         self.notes: list[dict] = []  # what a stored sequence's record should know (a conversation cut short)
         self.offsets = [0]
         self.response_spans: list[list[int]] = []  # per sequence: [start, end, ...] of its loss-mask runs
+        self.thinking: list[bool | None] = []  # per sequence: the enable_thinking it was rendered with (None: unset)
         self.response_tokens = 0
         self.closed = False
 
@@ -144,8 +145,9 @@ class ShardWriter:
             else:
                 os.remove(part_file(self.tmp, key))
 
-    def append(self, seq_id: str, input_ids, loss_mask, features, teacher=None) -> None:
-        """teacher: (ids [S, k], log-probs [S, k]) when the layout keeps the target's top-k, else None."""
+    def append(self, seq_id: str, input_ids, loss_mask, features, teacher=None, thinking: bool | None = None) -> None:
+        """teacher: (ids [S, k], log-probs [S, k]) when the layout keeps the target's top-k, else None; thinking: the
+        chat template's enable_thinking the sequence was rendered with (None: not set, not a thinking model)."""
         if self.closed:
             raise StoreError(f"shard {self.name} is already closed")
         ids = np.asarray(input_ids, dtype=np.int64).reshape(-1)
@@ -159,19 +161,20 @@ class ShardWriter:
         if teacher is not None:
             rows["teacher_ids"] = teacher[0].to(torch.int32).numpy()
             rows["teacher_logp"] = teacher[1].to(torch.float16).numpy()
-        self._add(str(seq_id), rows)
+        self._add(str(seq_id), rows, thinking)
 
-    def append_stored(self, seq_id: str, rows: dict) -> None:
+    def append_stored(self, seq_id: str, rows: dict, thinking: bool | None = None) -> None:
         """Append a sequence given as its rows of every array, already in the stored dtypes (a converter's copy)."""
         if self.closed:
             raise StoreError(f"shard {self.name} is already closed")
         specs = self.layout.array_specs()
         if set(rows) != set(specs) or len({len(r) for r in rows.values()}) != 1 or seq_id in self._seen:
             raise StoreError(f"sequence {seq_id!r}: rows {sorted(rows)} do not fit this layout ({sorted(specs)})")
-        self._add(str(seq_id), {k: np.asarray(r, dtype=specs[k][0]) for k, r in rows.items()})
+        self._add(str(seq_id), {k: np.asarray(r, dtype=specs[k][0]) for k, r in rows.items()}, thinking)
 
-    def _add(self, seq_id: str, rows: dict) -> None:
+    def _add(self, seq_id: str, rows: dict, thinking: bool | None = None) -> None:
         self._seen.add(seq_id)
+        self.thinking.append(None if thinking is None else bool(thinking))
         for k, r in rows.items():
             self.buffers[k].append(r)
         S = len(rows["input_ids"])
@@ -268,6 +271,8 @@ class ShardWriter:
                 "dtype": self.layout.dtype,
                 "complete": True,
                 **({"notes": self.notes} if self.notes else {}),
+                # only where a mode was set, so that shards of other targets keep their attrs as before
+                **({"thinking": self.thinking} if any(t is not None for t in self.thinking) else {}),
             }
         )
         fsync_tree(self.tmp)
@@ -461,12 +466,15 @@ def _identity(v, key: str):
 def write_store(
     path, sequences, *, layer_ids, hidden_size, dtype="bfloat16", manifest_extra=None, **layout
 ) -> StoreReader:
-    """Write `sequences` (dicts of seq_id, input_ids, loss_mask, features) as one committed shard."""
+    """Write `sequences` (dicts of seq_id, input_ids, loss_mask, features; teacher, thinking optional) as one
+    committed shard."""
     writer = StoreWriter(
         path, layer_ids=layer_ids, hidden_size=hidden_size, dtype=dtype, manifest_extra=manifest_extra, **layout
     )
     with writer.shard(shard_name(0)) as shard:
         for s in sequences:
-            shard.append(s["seq_id"], s["input_ids"], s["loss_mask"], s["features"], s.get("teacher"))
+            shard.append(
+                s["seq_id"], s["input_ids"], s["loss_mask"], s["features"], s.get("teacher"), s.get("thinking")
+            )
     writer.register(shard.info())
     return StoreReader(path)
