@@ -43,6 +43,7 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 import flashdraft.target as ft
+from flashdraft.config import ChatConfig
 from flashdraft.prompts import load_prompts
 
 PLAIN_EVAL = re.compile(r"eval time =\s*([\d.]+) ms /\s*(\d+) runs")
@@ -192,8 +193,8 @@ def parse_args():
 def model_conf(name: str) -> tuple[str, dict]:
     """(target, chat settings) of conf/model/<name>.yaml, so prompts render as the harness renders them."""
     conf = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "model" / f"{name}.yaml")
-    chat = OmegaConf.to_container(conf.get("chat", {}) or {})
-    return conf.target, {k: chat.get(k) for k in ("system_prompt", "enable_thinking")}
+    chat = OmegaConf.merge(OmegaConf.structured(ChatConfig), conf.get("chat") or {})
+    return conf.target, {"system_prompt": chat.system_prompt, "enable_thinking": chat.enable_thinking}
 
 
 def run_modes(tools, gguf, prompt_text: str, n_prompt: int, tmp: Path, args) -> dict:
