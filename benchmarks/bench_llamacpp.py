@@ -163,12 +163,6 @@ def harness_runs(args, records) -> dict[tuple[str, str], dict]:
     return runs
 
 
-def harness_row(method: dict) -> dict:
-    """tokens/s and tau of one harness measurement (decode steps after the prefill, as its report counts them)."""
-    lengths = method["acceptance_lengths"]
-    return {"tokens_per_s": sum(lengths) / method["decode_s"], "tau": sum(lengths) / len(lengths), "rounds": lengths}
-
-
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--drafter", default="runs/quick-smollm2-135m/drafter")
@@ -221,14 +215,11 @@ def run_modes(tools, gguf, prompt_text: str, n_prompt: int, tmp: Path, args) -> 
 def parity(results: dict, harness: dict, tokenizer) -> dict:
     """Tokens each llama.cpp mode shares with the harness's plain output, and the dflash round check."""
     plain = harness["methods"]["plain"]["tokens"]
-    out = {}
-    for mode, r in results.items():
-        ids = tokenizer(r["text"], add_special_tokens=False).input_ids
-        out[mode] = {"agree": common_prefix(ids, plain), "of": min(len(ids), len(plain))}
+    ids = {mode: tokenizer(r["text"], add_special_tokens=False).input_ids for mode, r in results.items()}
+    out = {mode: {"agree": common_prefix(t, plain), "of": min(len(t), len(plain))} for mode, t in ids.items()}
     if "dflash" in results and "round_lengths" in results["dflash"]:
         ours = harness["methods"]["dflash"]
-        ids = tokenizer(results["dflash"]["text"], add_special_tokens=False).input_ids
-        agree = common_prefix(ids, ours["tokens"])
+        agree = common_prefix(ids["dflash"], ours["tokens"])
         shared, equal = round_parity(ours["acceptance_lengths"], results["dflash"]["round_lengths"], agree)
         out["rounds"] = {"agree": agree, "shared": shared, "equal": equal}
     return out
