@@ -21,7 +21,7 @@ from flashdraft.prompts import PromptRecord, thinking_of
 from flashdraft.store import ShardWriter, StoreLayout, read_manifest, shard_exists
 from flashdraft.store.files import shard_dir
 from flashdraft.store.space import check_free_space
-from flashdraft.target import chat_text, load_target, resolve_dtype, stop_token_ids
+from flashdraft.target import chat_text, load_target, resolve_dtype, stop_token_ids, template_takes_thinking
 from flashdraft.target.memory import DEFAULT_FRACTION, decode_rows, prefill_token_budget
 from pipeline.capture import capture, regenerate_stream, token_batches
 from pipeline.turns import Conversation, regenerate_conversations, user_turns
@@ -119,7 +119,7 @@ class CaptureWorker:
         )
         self.stop_ids = stop_token_ids(self.model, self.tokenizer)
         # a template that does not take enable_thinking renders every prompt alike: no mode to record
-        self.template_thinks = "enable_thinking" in str(getattr(self.tokenizer, "chat_template", "") or "")
+        self.template_thinks = template_takes_thinking(self.tokenizer)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (self.stop_ids[0] if self.stop_ids else 0)
         self.batch_size, self.prefill_tokens, lines = self.budgets()

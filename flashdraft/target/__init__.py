@@ -9,6 +9,7 @@ from flashdraft.target.chat import (
     chat_text,
     choose_mask_token,
     stop_token_ids,
+    template_takes_thinking,
 )
 from flashdraft.target.cpu import cpu_bf16_gemm_speedup, cpu_has_bf16_tiles, cpu_has_fast_bf16, resolve_dtype
 from flashdraft.target.exact import (
@@ -40,6 +41,7 @@ __all__ = [
     "chat_input_ids",
     "chat_template_hash",
     "chat_text",
+    "template_takes_thinking",
     "choose_mask_token",
     "cpu_bf16_gemm_speedup",
     "cpu_has_bf16_tiles",

@@ -26,6 +26,11 @@ def chat_input_ids(
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def template_takes_thinking(tokenizer) -> bool:
+    """Whether the tokenizer's chat template reads `enable_thinking` (Qwen3's does; others render alike without)."""
+    return "enable_thinking" in str(getattr(tokenizer, "chat_template", "") or "")
+
+
 def chat_text(
     tokenizer,
     messages: list[dict],
@@ -45,8 +50,7 @@ def chat_text(
     if system_prompt is not None and messages[0].get("role") != "system":
         messages.insert(0, {"role": "system", "content": system_prompt})
     kwargs = {}
-    template = str(getattr(tokenizer, "chat_template", "") or "")
-    if enable_thinking is not None and "enable_thinking" in template:
+    if enable_thinking is not None and template_takes_thinking(tokenizer):
         kwargs["enable_thinking"] = enable_thinking
     return tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
