@@ -44,7 +44,11 @@ class EvalPrompt:
     messages: tuple = ()  # the conversation `input_ids` renders (for the next turn's)
     followups: tuple = ()  # the user turns still to come (eval.turns=single: none)
     chat: dict = field(default_factory=dict)  # chat_input_ids options the prompt was rendered with
-    thinking: bool | None = None  # the chat template's enable_thinking it was rendered with (None: not set)
+
+    @property
+    def thinking(self) -> bool | None:
+        """The chat template's enable_thinking the prompt was rendered with (None: not set)."""
+        return self.chat.get("enable_thinking")
 
     @property
     def key(self) -> str:
@@ -93,9 +97,7 @@ def build_prompts(
             for mode in [enable_thinking] if modes is None else modes:
                 chat = {"enable_thinking": mode, "system_prompt": system_prompt}
                 ids = chat_input_ids(tokenizer, list(r.messages), **chat)
-                prompts.append(
-                    EvalPrompt(r.source, r.record_id, ids, r.seq_id, 1, tuple(r.messages), followups, chat, mode)
-                )
+                prompts.append(EvalPrompt(r.source, r.record_id, ids, r.seq_id, 1, tuple(r.messages), followups, chat))
     return prompts
 
 
