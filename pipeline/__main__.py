@@ -83,6 +83,7 @@ def settings_from(cfg: DictConfig, offline_ok: bool = False) -> CaptureSettings:
         max_prompt_tokens=int(d.max_prompt_tokens),
         batch_size=auto_or_int(d.batch_size, "data.batch_size"),
         prefill_tokens=auto_or_int(d.prefill_tokens, "data.prefill_tokens"),
+        writer_threads=auto_or_int(d.writer_threads, "data.writer_threads"),
         gpu_memory_fraction=float(d.gpu_memory_fraction),
         sampling=OmegaConf.to_object(d.sampling),
         seed=int(cfg.seed),
@@ -104,9 +105,9 @@ def thinking_settings(enable_thinking, thinking, share) -> dict:
 def fleet_from(cfg: DictConfig) -> FleetConfig:
     c = cfg.cluster
     return FleetConfig(
-        num_actors=int(c.num_actors),
+        num_actors=auto_or_int(c.num_actors, "cluster.num_actors"),
         cpus_per_actor=float(c.cpus_per_actor),
-        gpus_per_actor=float(c.gpus_per_actor),
+        gpus_per_actor="auto" if str(c.gpus_per_actor) == "auto" else float(c.gpus_per_actor),
         ray_address=c.ray_address,
         shard_size=int(cfg.data.shard_size),
         max_attempts=int(c.max_attempts),
