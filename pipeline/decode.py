@@ -164,9 +164,8 @@ class ContinuousDecode:
         """Record a launched step's results into the slots that still hold the sequences it fed; yield the
         sequences that ended with it."""
         ended = self.host.record(rows, launched.wait())
-        if ended:
+        if ended:  # their columns are trimmed at the next admission or compaction (a trim waits for the device)
             self.mask[torch.as_tensor([slot for slot, _, _ in ended], device=self.device)] = 0
-            self._trim()
         for _, i, captured in ended:
             yield i, captured
 

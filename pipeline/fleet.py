@@ -300,19 +300,22 @@ class _Bookkeeper:
 def _run_inline(store_path, settings, tasks, book: _Bookkeeper) -> None:
     worker = CaptureWorker(str(store_path), settings)
     queue = deque(tasks)
-    while queue:
-        if book.stopped:
-            book.not_started(queue)
-            return
-        task = queue.popleft()
-        try:
-            result = worker.run(task, lookahead=queue[0] if queue else None)
-        except Exception as e:  # noqa: BLE001 - reported per shard; the fleet goes on
-            again = book.failed(task, e, retry=not isinstance(e, TargetNaNError))
-            if again is not None:
-                queue.append(again)
-            continue
-        book.committed(result)
+    try:
+        while queue:
+            if book.stopped:
+                book.not_started(queue)
+                return
+            task = queue.popleft()
+            try:
+                result = worker.run(task, lookahead=queue[0] if queue else None)
+            except Exception as e:  # noqa: BLE001 - reported per shard; the fleet goes on
+                again = book.failed(task, e, retry=not isinstance(e, TargetNaNError))
+                if again is not None:
+                    queue.append(again)
+                continue
+            book.committed(result)
+    finally:
+        worker.close()
 
 
 @contextmanager

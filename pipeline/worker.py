@@ -307,6 +307,12 @@ class CaptureWorker:
         devices = os.environ.get("CUDA_VISIBLE_DEVICES")  # as Ray set it for this actor (None: unset)
         return {"info": current.shard.info(), "pid": os.getpid(), "seconds": time.time() - t0, "devices": devices}
 
+    def close(self) -> None:
+        """Drop a lookahead never run (its temporary shard goes) and stop the compression threads."""
+        self._drop_ahead()
+        if self.pool is not None:
+            self.pool.shutdown()
+
     def _open(self, task: Task) -> _TaskRun:
         """Encode a task's records, check the disk has room for its shard, open the shard (written off the decode
         loop) with its rejects, and, in the shared greedy decode, queue its prompts."""
