@@ -24,7 +24,8 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from flashdraft.config import EvalConfig, as_settings, register_configs, thinking_setting
+from entry import register_configs, typed_config
+from flashdraft.config import Config, EvalConfig, thinking_setting
 from flashdraft.store import StoreReader, is_store
 from flashdraft.target import (
     exact_gemm_rows,
@@ -38,7 +39,7 @@ from flashdraft.target import (
 )
 from flashdraft.vocab import frequent_tokens
 from harness.datastore import Datastore
-from harness.drafter import DrafterProposer, load_drafter
+from harness.drafter import DrafterProposer, load_drafter, loop_block_size
 from harness.evaluate import (
     UNTRAINED_WARNING,
     build_prompts,
@@ -55,11 +56,6 @@ from harness.replay import replay_tau
 from harness.report import TIMING_NOTE, console_summary, write_report
 from harness.summary import summarize
 from harness.training_log import read_metrics, train_serve_parity
-
-
-def eval_config(node) -> EvalConfig:
-    """The eval group (composed, or a plain mapping) as an EvalConfig; unknown keys are refused by name."""
-    return as_settings(node, EvalConfig, "eval")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -149,22 +145,19 @@ def load_datastore(config: EvalConfig, prompts):
     return datastore, info
 
 
-def build(cfg: DictConfig, config: EvalConfig) -> Bench:
+def build(cfg: Config) -> Bench:
     """Target, drafter, prompts, draft vocabulary, datastore, and the policies of the methods asked for."""
+    config = cfg.eval
     device = resolve_device(cfg.device)
     target, tokenizer, loaded_target = load_targets(cfg.model, config, device, cfg.trust_remote_code)
     proposer, untrained, block_size, drafter_name = None, False, 1, None
     if any(m in DRAFTER_METHODS for m in config.methods):
         drafter, untrained = load_drafter(
-            config.drafter,
-            target,
-            tokenizer,
-            allow_untrained=config.allow_untrained,
-            block_size=config.block_size,
-            seed=cfg.seed,
+            config.drafter, target, tokenizer, cfg.drafter, allow_untrained=config.allow_untrained, seed=cfg.seed
         )
         proposer = DrafterProposer(drafter, frozen_head_from_model(target))
-        block_size = config.block_size or drafter.block_size
+        where = "the untrained drafter (drafter.block_size)" if untrained else f"the drafter at {config.drafter}"
+        block_size = loop_block_size(config.block_size, drafter, where)
         drafter_name = "UNTRAINED (random init)" if untrained else str(config.drafter)
         if untrained:
             print(f"\n{'!' * 100}\n!!! {UNTRAINED_WARNING}\n{'!' * 100}\n", file=sys.stderr, flush=True)
@@ -366,12 +359,12 @@ def make_report(bench: Bench, config: EvalConfig, records: list[dict], run_facts
     return report
 
 
-def run(cfg: DictConfig) -> dict:
+def run(cfg: Config) -> dict:
     """Build (target, drafter, prompts, policies) -> evaluate every method -> report (json, markdown, pictures)."""
-    config = eval_config(cfg.eval)
+    config = cfg.eval
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    bench = build(cfg, config)
+    bench = build(cfg)
     records, run_facts = measure(bench, config, cfg.model.target)
     report = make_report(bench, config, records, run_facts)
     out_dir = Path(config.out_dir)
@@ -387,7 +380,7 @@ register_configs()
 
 @hydra.main(config_path="../conf", config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
-    run(cfg)
+    run(typed_config(cfg))  # once, here: the harness gets typed settings
 
 
 if __name__ == "__main__":
