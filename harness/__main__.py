@@ -49,7 +49,7 @@ from harness.evaluate import (
     next_turn,
     thinking_modes,
 )
-from harness.methods import DRAFTER_METHODS, DecodeSettings, build_policies
+from harness.methods import CHAIN, DRAFTER_METHODS, METHODS, TREE, DecodeSettings, build_policies
 from harness.pictures import acceptance_lengths_by_source, plot_acceptance, plot_training
 from harness.policies import ChainPolicy, TreePolicy
 from harness.replay import replay_tau
@@ -86,7 +86,7 @@ def load_targets(model, config: EvalConfig, device, trust_remote_code: bool):
     target, tokenizer = load_target(model.target, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     loaded_target = None
     if needs_exact_verification(dtype, device):
-        if "plain_as_loaded" in config.methods:  # a second copy, left as loaded: plain decoding as a user runs it
+        if any(METHODS[m].as_loaded for m in config.methods):  # a second copy, left as loaded, as a user runs it
             loaded_target = load_target(model.target, dtype=dtype, device=device, trust_remote_code=trust_remote_code)[
                 0
             ]
@@ -120,8 +120,8 @@ def with_draft_vocab(proposer, config: EvalConfig, prompts, vocab_size: int):
 
 
 def load_datastore(config: EvalConfig, prompts):
-    """(datastore, report entry) for dflash_datastore (greedy only), or (None, None)."""
-    if "dflash_datastore" not in config.methods or config.temperature > 0:
+    """(datastore, report entry) for the methods that need one (greedy only), or (None, None)."""
+    if not any(METHODS[m].datastore for m in config.methods) or config.temperature > 0:
         return None, None
     datastore = Datastore.from_store(
         config.datastore,
@@ -282,7 +282,7 @@ def replay(bench: Bench, config: EvalConfig) -> dict | None:
         return None
     seq_ids = list(dict.fromkeys(p.seq_id for p in bench.prompts))  # a record evaluated in two modes: once
     result = replay_tau(ChainPolicy(proposer, cutoff=s.draft_cutoff), store, seq_ids, max_new_tokens=s.max_new_tokens)
-    if "dflash_tree" in bench.policies and result:
+    if TREE in bench.policies and result:
         tree = replay_tau(
             TreePolicy(proposer, s.tree_size, s.tree_branching), store, seq_ids, max_new_tokens=s.max_new_tokens
         )
@@ -296,7 +296,7 @@ def add_pictures_and_parity(
     """Draws acceptance.png and training.png into out_dir, and sets report["pictures"] (their names, for
     report.md) and report["train_serve_parity"] (None without trainer metrics or a trained drafter)."""
     settings = report["settings"]
-    served_tau = None if settings["untrained_drafter"] else report["methods"].get("dflash", {}).get("tau")
+    served_tau = None if settings["untrained_drafter"] else report["methods"].get(CHAIN, {}).get("tau")
     rows = read_metrics(metrics_path) if metrics_path else None
     pictures = {}
     for name in ("acceptance", "training"):
@@ -317,7 +317,7 @@ def add_pictures_and_parity(
         parity["metrics"] = str(metrics_path)
         if (replayed or {}).get("tree_tau"):  # the tree method: its replay next to its served tau
             parity["replay_tree_tau"] = replayed["tree_tau"]
-            parity["served_tree_tau"] = report["methods"]["dflash_tree"]["tau"]
+            parity["served_tree_tau"] = report["methods"][TREE]["tau"]
     report["pictures"], report["train_serve_parity"] = pictures, parity
 
 
