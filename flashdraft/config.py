@@ -264,18 +264,9 @@ class EvalConfig:
     block_size: int | None = None
     drafter: str | None = None  # the exported drafter folder
     allow_untrained: bool = True  # no drafter at `drafter`: measure a random one, flagged loudly
-    # the tree, lookup and datastore methods are greedy only; plain_as_loaded: the target without exact verification
-    methods: list[str] = field(
-        default_factory=lambda: [
-            "plain",
-            "plain_as_loaded",
-            "prompt_lookup",
-            "dflash",
-            "dflash_tree",
-            "dflash_lookup",
-            "dflash_datastore",
-        ]
-    )
+    # the methods compared, by name (harness/methods.py); None: every method of that table. The tree, lookup and
+    # datastore methods are greedy only; plain_as_loaded: the target without exact verification
+    methods: list[str] | None = None
     prompt_lookup_num_tokens: int = 10  # prompt_lookup, and the most tokens a lookup or datastore round verifies
     draft_cutoff: float = 0.0  # dflash: verify the drafts of cumulative draft probability >= this (0: all)
     tree_size: int = 7  # dflash_tree (and the lookup methods' tree): candidates verified a round

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -49,7 +49,7 @@ from harness.evaluate import (
     next_turn,
     thinking_modes,
 )
-from harness.methods import CHAIN, DRAFTER_METHODS, METHODS, TREE, DecodeSettings, build_policies
+from harness.methods import CHAIN, DRAFTER_METHODS, METHODS, TREE, DecodeSettings, build_policies, methods_asked
 from harness.pictures import acceptance_lengths_by_source, plot_acceptance, plot_training
 from harness.policies import ChainPolicy, TreePolicy
 from harness.replay import replay_tau
@@ -361,6 +361,7 @@ def make_report(bench: Bench, config: EvalConfig, records: list[dict], run_facts
 
 def run(cfg: Config) -> dict:
     """Build (target, drafter, prompts, policies) -> evaluate every method -> report (json, markdown, pictures)."""
+    cfg = replace(cfg, eval=replace(cfg.eval, methods=methods_asked(cfg.eval.methods)))
     config = cfg.eval
     if config.num_threads:
         torch.set_num_threads(config.num_threads)

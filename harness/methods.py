@@ -170,12 +170,20 @@ DRAFTER_METHODS = tuple(name for name, method in METHODS.items() if method.draft
 DRAWN_METHODS = tuple(sorted((n for n, m in METHODS.items() if m.colour), key=lambda n: not METHODS[n].drafter))
 
 
+def methods_asked(methods: list[str] | None) -> list[str]:
+    """eval.methods as a list of known names (None: every method of the table); an unknown one is refused by name."""
+    if methods is None:
+        return list(METHODS)
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown methods {unknown} in eval.methods; known: {', '.join(METHODS)}")
+    return list(methods)
+
+
 def build_policies(methods, settings: DecodeSettings, proposer=None, datastore=None) -> dict:
     """{method: its draft policy (None: the baseline)}, refusing unknown methods, drafter methods without a drafter
     and greedy-only ones when sampling."""
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise ValueError(f"unknown methods {unknown}; known: {', '.join(METHODS)}")
+    methods = methods_asked(methods)
     policies = {}
     for name in methods:
         method = METHODS[name]
