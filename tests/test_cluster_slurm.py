@@ -129,7 +129,7 @@ def jobs(slurm_conf, tmp_path_factory):
     capture = sbatch(
         "slurm_capture.sbatch",
         *model,
-        f"model.layer_ids=[{','.join(map(str, LAYERS))}]",
+        f"drafter.layer_ids=[{','.join(map(str, LAYERS))}]",
         "model.dtype=float32",
         "data=local",
         f"data.path={prompts}",
