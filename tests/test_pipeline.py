@@ -1,8 +1,10 @@
 """Capture (regenerate and capture-only), bad input, resume, NaN targets: in-process, no Ray."""
 
+import functools
 import json
 import os
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -57,31 +59,19 @@ def target(tmp_path_factory):
     return build_tiny_target(tmp_path_factory.mktemp("tiny-target"))
 
 
-# The settings these tests capture with, every one given (CaptureSettings has no defaults of its own): fp32 and
-# single turns keep the tiny targets' outputs exact and short.
-TEST_SETTINGS = dict(
-    dtype="float32",
-    device="cpu",
-    mode="regenerate",
-    turns="single",
-    max_new_tokens=12,
-    max_length=3072,
-    max_prompt_tokens=2048,
-    batch_size=3,
-    prefill_tokens="auto",
-    gpu_memory_fraction=0.85,
-    sampling=SamplingConfig(),
-    seed=0,
-    system_prompt=None,
-    enable_thinking=None,
-    thinking_share=None,
-    trust_remote_code=False,
-    torch_threads=None,
-)
+@functools.cache
+def config_settings() -> CaptureSettings:
+    """The capture settings the entry point makes (CaptureSettings has no defaults of its own): fp32 and single turns
+    keep the tiny targets' outputs exact and short."""
+    from entry import compose, typed_config
+    from pipeline.__main__ import settings_from
+
+    over = ["model.dtype=float32", "device=cpu", "data.turns=single", "data.max_new_tokens=12", "data.batch_size=3"]
+    return settings_from(typed_config(compose(over)), offline_ok=True)
 
 
 def settings_for(target, **kw):
-    return CaptureSettings(target=target, layer_ids=tuple(LAYERS), **{**TEST_SETTINGS, **kw})
+    return replace(config_settings(), **{"target": target, "layer_ids": tuple(LAYERS), "torch_threads": None, **kw})
 
 
 @pytest.mark.parametrize("kind,batch_size", [("llama", None), ("qwen3", None), ("llama", 2), ("qwen3", 3)])

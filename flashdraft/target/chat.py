@@ -7,23 +7,9 @@ import hashlib
 from flashdraft.target.family import GENERIC, SPARE_ROW_MASK_TOKEN, ModelFamily
 
 
-def chat_input_ids(
-    tokenizer,
-    messages: list[dict],
-    *,
-    add_generation_prompt: bool = True,
-    enable_thinking: bool | None = None,
-    system_prompt: str | None = None,
-) -> list[int]:
-    """Token ids of `messages` rendered by the tokenizer's chat template (`chat_text`)."""
-    text = chat_text(
-        tokenizer,
-        messages,
-        add_generation_prompt=add_generation_prompt,
-        enable_thinking=enable_thinking,
-        system_prompt=system_prompt,
-    )
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+def chat_input_ids(tokenizer, messages: list[dict], **options) -> list[int]:
+    """Token ids of `messages` rendered by the tokenizer's chat template (`chat_text`, which takes the `options`)."""
+    return tokenizer(chat_text(tokenizer, messages, **options), add_special_tokens=False)["input_ids"]
 
 
 def template_takes_thinking(tokenizer) -> bool:
