@@ -61,7 +61,7 @@ def main(argv: list[str]) -> int:
     print(
         f"error: {where} holds {fit} of the {asked} (cluster.num_actors={actors}, cluster.cpus_per_actor={cpus:g}, "
         f"cluster.gpus_per_actor={gpus:g}): the job would wait for ever. Lower NUM_ACTORS or the CPUs and GPUs an "
-        "actor takes (ARGS=\"cluster.cpus_per_actor=... cluster.gpus_per_actor=...\"), or add nodes; CHECK_FIT=0 "
+        'actor takes (ARGS="cluster.cpus_per_actor=... cluster.gpus_per_actor=..."), or add nodes; CHECK_FIT=0 '
         "submits anyway (a cluster that scales up)",
         file=sys.stderr,
     )

@@ -19,6 +19,11 @@ refuse() {
     exit 1
 }
 
+for var in NODES CPUS_PER_NODE GPUS_PER_NODE; do
+    [[ ${!var:-0} =~ ^[0-9]+$ ]] || refuse "$var=${!var}: not a whole number"
+done
+((NODES > 0)) || refuse "NODES=0"
+
 PARTITION=${PARTITION:-$(sinfo -h -o '%P' | sed -n 's/\*$//p' | head -n1)}
 [[ -n $PARTITION ]] || refuse "no PARTITION given and Slurm has no default partition (sinfo)"
 
