@@ -51,7 +51,12 @@ def main(argv: list[str]) -> int:
 
     address, overrides = argv[0], argv[1:]
     actors, cpus, gpus = capture_request(overrides)
-    nodes = [n.resources_total for n in list_nodes(address=address, filters=[("state", "=", "ALIVE")], detail=True)]
+    try:
+        alive = list_nodes(address=address, filters=[("state", "=", "ALIVE")], detail=True)
+    except Exception as e:  # the state API raises its own and the HTTP client's errors; all mean: cannot tell
+        print(f"error: cannot read the nodes of the Ray cluster at {address} (RAY_ADDRESS): {e}", file=sys.stderr)
+        return 1
+    nodes = [n.resources_total for n in alive]
     fit = actors_that_fit(nodes, cpus, gpus)
     asked = f"{actors} capture actors of {cpus:g} CPUs and {gpus:g} GPUs each"
     where = f"the Ray cluster at {address} ({describe(nodes)})"
