@@ -41,8 +41,8 @@ ray_addr() {
     local addr
     addr=$(node_addr "$1") || return 1
     if ! dry && [[ $addr == 127.* ]]; then
-        addr=$("$PY" -c 'import sys; from ray._private.services import resolve_ip_for_localhost as r; print(r(sys.argv[1]))' \
-            "$addr" 2>/dev/null) || addr=$(node_addr "$1")
+        local ask='import sys; from ray._private.services import resolve_ip_for_localhost as r; print(r(sys.argv[1]))'
+        addr=$("$PY" -c "$ask" "$addr" 2>/dev/null) || addr=$(node_addr "$1")
     fi
     echo "$addr"
 }

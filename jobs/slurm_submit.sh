@@ -40,35 +40,47 @@ mapfile -t PARTITION_NODES < <(sinfo -h -N -p "$PARTITION" -o '%N %c %G' | sort 
 ((${#PARTITION_NODES[@]} > 0)) || refuse "no partition $PARTITION (PARTITION) with nodes; sinfo lists:" \
     "$(sinfo -h -o '%P (%D nodes)' | paste -sd' ')"
 
-# nth_most FIELD: the largest value of FIELD (2: CPUs, 3: GPUs) that NODES of the partition's nodes all have.
-nth_most() { printf '%s\n' "${PARTITION_NODES[@]}" | awk -v f="$1" '{ print $f }' | sort -rn | sed -n "${NODES}p"; }
+# nth_most FIELD [GPUS]: the largest value of FIELD (2: CPUs, 3: GPUs) that NODES of the partition's nodes all have
+# (of those with at least GPUS GPUs).
+nth_most() {
+    printf '%s\n' "${PARTITION_NODES[@]}" | awk -v f="$1" -v g="${2:-0}" '$3 >= g { print $f }' | sort -rn \
+        | sed -n "${NODES}p"
+}
 
 # fitting CPUS GPUS: how many of the partition's nodes have at least CPUS CPUs and GPUS GPUs.
-fitting() { printf '%s\n' "${PARTITION_NODES[@]}" | awk -v c="$1" -v g="$2" '$2 >= c && $3 >= g { n++ } END { print n + 0 }'; }
+fitting() {
+    printf '%s\n' "${PARTITION_NODES[@]}" | awk -v c="$1" -v g="$2" '$2 >= c && $3 >= g { n++ } END { print n + 0 }'
+}
 
 # node_kinds: the partition's nodes grouped by size, e.g. "2 nodes with 1 CPUs and 0 GPUs (n1 n2)".
 node_kinds() {
-    printf '%s\n' "${PARTITION_NODES[@]}" | awk '{ key = $2 " CPUs and " $3 " GPUs"; n[key]++; names[key] = names[key] " " $1 }
+    printf '%s\n' "${PARTITION_NODES[@]}" | awk '
+        { key = $2 " CPUs and " $3 " GPUs"; n[key]++; names[key] = names[key] " " $1 }
         END { for (k in n) printf "%s%d nodes with %s (%s)", (sep++ ? "; " : ""), n[k], k, substr(names[k], 2) }'
 }
 
 ((${#PARTITION_NODES[@]} >= NODES)) || refuse "partition $PARTITION has ${#PARTITION_NODES[@]} nodes, NODES=$NODES:" \
     "$(node_kinds)"
-CPUS=${CPUS_PER_NODE:-$(nth_most 2)}
 GPUS=${GPUS_PER_NODE:-$(nth_most 3)}
+CPUS=${CPUS_PER_NODE:-$(nth_most 2 "$GPUS")}
+CPUS=${CPUS:-1}  # no NODES nodes with GPUS GPUs: refused below
 (($(fitting "$CPUS" "$GPUS") >= NODES)) || refuse "partition $PARTITION has no $NODES nodes with $CPUS CPUs" \
     "(CPUS_PER_NODE) and $GPUS GPUs (GPUS_PER_NODE) each; it has $(node_kinds)"
 
-mkdir -p "$FLASHDRAFT_ROOT/logs"
 OPTS=(--nodes="$NODES" --cpus-per-task="$CPUS" --gpus-per-node="$GPUS" --partition="$PARTITION"
     --output="$FLASHDRAFT_ROOT/logs/%x-%j.out" ${TIME:+--time=$TIME} ${AFTER:+--dependency=afterok:$AFTER})
 # shellcheck disable=SC2206  # SBATCH_ARGS is a word list
 OPTS+=(${SBATCH_ARGS:-})
+if dry; then  # the partition was read and the request checked against it: print the submission
+    echo "GPUS_PER_NODE=$GPUS sbatch --parsable ${OPTS[*]} $SCRIPT $*"
+    exit
+fi
 if ! test_only=$(sbatch --test-only "${OPTS[@]}" "$SCRIPT" 2>&1); then
     limits=$(sinfo -h -p "$PARTITION" -o 'time limit %l, jobs of %s nodes' | head -n1)
     refuse "sbatch --test-only ${OPTS[*]}: $test_only (partition $PARTITION: $limits; $(node_kinds))"
 fi
 
+mkdir -p "$FLASHDRAFT_ROOT/logs"
 # the job reads GPUS_PER_NODE (jobs/common.sh gpus_per_node): the count asked for here
 out=$(GPUS_PER_NODE=$GPUS sbatch --parsable "${OPTS[@]}" "$SCRIPT" "$@")
 id=${out%%;*}

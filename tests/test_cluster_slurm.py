@@ -222,7 +222,7 @@ def test_capture_on_two_slurm_nodes(jobs):
     # n1 and n2 (NodeAddr 127.0.0.1) under the address Ray gives them, the one it prints for each node
     head = re.search(r"Ray at (\S+):\d+: 2/2 nodes up", plain).group(1)
     assert re.findall(r"Local node IP: (\S+)", plain) == [head, head]
-    assert plain.count("Usage stats collection is disabled.") == 2  # no RAY_START_ARGS needed
+    assert "Usage stats collection is disabled." in plain  # the head's word, for the cluster; no RAY_START_ARGS
     assert "srun: error" not in plain  # the Ray steps stopped at the end are no failed tasks
     assert actor_nodes(log, jobs["ray_tmp"]) == {"raylet.out", "raylet.1.out"}  # one actor on each node
     store = jobs["tmp"] / "features"

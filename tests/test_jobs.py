@@ -175,3 +175,45 @@ def test_ray_fits_counts_the_actors_each_node_holds():
     assert actors_that_fit(nodes, cpus=1, gpus=0) == 16 + 6 + 1
     assert actors_that_fit([{"CPU": 1.0}, {"CPU": 1.0}], cpus=4, gpus=1) == 0
     assert describe([{"CPU": 1.0}, {"CPU": 1.0, "GPU": 0.0}]) == "2 nodes with 1 CPUs and 0 GPUs"
+
+
+# A GPU partition as `sinfo` shows it (a stand-in on PATH: no Slurm with GPUs here): node, CPUs, GRES.
+SINFO = """#!/usr/bin/env bash
+case "$*" in
+    *-N*) printf '%s\\n' 'g1 64 gpu:a100:8(S:0-1)' 'g2 64 gpu:a100:8(S:0-1)' 'g3 16 gpu:a100:4,gpu:v100:4' \\
+        'c1 128 (null)' ;;
+    *) printf '%s\\n' 'gpu*' ;;
+esac
+"""
+
+
+def submit_dry(tmp_path, **env):
+    (tmp_path / "sinfo").write_text(SINFO)
+    (tmp_path / "sinfo").chmod(0o755)
+    full_env = {**os.environ, "DRY_RUN": "1", "PATH": f"{tmp_path}:/usr/bin:/bin", **env}
+    cmd = ["bash", str(ROOT / "jobs" / "slurm_submit.sh"), "capture", "model=qwen3-8b"]
+    return subprocess.run(cmd, env=full_env, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize(
+    "nodes, cpus, gpus",
+    [("2", 64, 8), ("3", 16, 8), ("4", 16, 0)],
+)
+def test_submit_defaults_to_what_nodes_nodes_of_the_partition_have(tmp_path, nodes, cpus, gpus):
+    """GPUs first (the most that NODES nodes have; a node's GPU GRES summed), then the CPUs of the nodes with them."""
+    out = submit_dry(tmp_path, NODES=nodes)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(
+        f"GPUS_PER_NODE={gpus} sbatch --parsable --nodes={nodes} --cpus-per-task={cpus} --gpus-per-node={gpus} "
+        f"--partition=gpu --output={ROOT}/logs/%x-%j.out {ROOT}/jobs/slurm_capture.sbatch model=qwen3-8b"
+    )
+
+
+def test_submit_refuses_cpus_no_node_with_the_gpus_has(tmp_path):
+    out = submit_dry(tmp_path, NODES="2", CPUS_PER_NODE="100")
+    assert out.returncode == 1 and out.stdout == ""
+    assert "refused, nothing submitted: partition gpu has no 2 nodes with 100 CPUs (CPUS_PER_NODE) and 8 GPUs" in (
+        out.stderr
+    )
+    for kind in ("2 nodes with 64 CPUs and 8 GPUs (g1 g2)", "1 nodes with 16 CPUs and 8 GPUs (g3)", "(c1)"):
+        assert kind in out.stderr
