@@ -42,12 +42,28 @@ def prompts(n: int) -> list:
 
 
 def settings(args):
+    from flashdraft.config import SamplingConfig
     from pipeline.worker import CaptureSettings
 
-    return CaptureSettings(
+    return CaptureSettings(  # every field named: the checkouts compared differ in which have defaults
         target=args.target,
         layer_ids=(1, 2, 3, 4, 5),
+        dtype="float32",
+        device="cpu",
+        mode="regenerate",
+        turns="single",
         max_new_tokens=args.new_tokens,
+        max_length=3072,
+        max_prompt_tokens=2048,
+        batch_size="auto",
+        prefill_tokens="auto",
+        gpu_memory_fraction=0.85,
+        sampling=SamplingConfig(),
+        seed=0,
+        system_prompt=None,
+        enable_thinking=None,
+        thinking_share=None,
+        trust_remote_code=False,
         torch_threads=args.threads,
     )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from harness.methods import DRAFTER_METHODS, LOOKUP_METHODS
+from harness.methods import METHODS, PLAIN
 
 
 def _decode_throughput(records, method) -> tuple[int, float]:
@@ -30,16 +30,16 @@ def method_summary(records, method, *, greedy: bool, block_size: int | None = No
         "speedup": None,
         "lossless": None,
     }
-    for baseline, key in (("plain", "speedup"), ("plain_as_loaded", "speedup_vs_loaded")):
+    for baseline, key in ((name, m.speedup_key) for name, m in METHODS.items() if m.speedup_key):
         if baseline in records[0]["methods"]:
             tokens, seconds = _decode_throughput(records, baseline)
             if summary["tokens_per_s"] and tokens and seconds > 0:
                 summary[key] = summary["tokens_per_s"] / (tokens / seconds)
-    if "plain" in records[0]["methods"] and greedy:
-        same = [r["methods"][method]["tokens"] == r["methods"]["plain"]["tokens"] for r in records]
+    if PLAIN in records[0]["methods"] and greedy:
+        same = [r["methods"][method]["tokens"] == r["methods"][PLAIN]["tokens"] for r in records]
         summary["lossless"] = all(same)
         summary["mismatched_prompts"] = [f"{r['source']}/{r['record_id']}" for r, ok in zip(records, same) if not ok]
-    if method in DRAFTER_METHODS:
+    if METHODS[method].drafter:
         counts = Counter(rounds)
         longest = max(block_size or 1, max(rounds, default=1))  # a lookup round can commit more than a block
         summary["acceptance_histogram"] = {str(k): counts.get(k, 0) for k in range(1, longest + 1)}
@@ -49,10 +49,8 @@ def method_summary(records, method, *, greedy: bool, block_size: int | None = No
         summary["round_ms"] = {
             part: 1000 * sum(run[f"{part}_s"] for run in runs) / n for part in ("draft", "verify", "bookkeeping")
         }
-        if method in LOOKUP_METHODS:
-            summary["lookup_rounds"] = sum(run.get("lookup_rounds", 0) for run in runs)
-        if method == "dflash_datastore":
-            summary["datastore_rounds"] = sum(run.get("datastore_rounds", 0) for run in runs)
+        for count in METHODS[method].counts:
+            summary[count] = sum(run.get(count, 0) for run in runs)
     return summary
 
 
