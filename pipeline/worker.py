@@ -121,6 +121,7 @@ class _TaskRun:
     encoded: list
     chats: list
     thinking_of: Callable[[str], bool | None]
+    space: int  # the most rows its shard can take (`check_free_space`)
     outstanding: int = 0
 
     def store(self, seq_id: str, out: Captured) -> None:
@@ -289,6 +290,8 @@ class CaptureWorker:
         t0 = time.time()
         current = self._take_ahead(task)
         try:
+            if current is not None:  # checked when it was opened ahead; the disk has filled since
+                check_free_space(shard_dir(self.store_path, task.name), self.layout, current.space)
             current = current or self._open(task)
             if lookahead is not None and self._overlaps(current):
                 self._ahead = self._open_ahead(lookahead)
@@ -335,7 +338,7 @@ class CaptureWorker:
         for rec, reason in rejects:
             shard.reject(rec.seq_id, reason, source=rec.source, record_id=rec.record_id)
         encoded.sort(key=lambda x: len(x[1]))  # similar lengths batch (and join the batch) with little padding
-        run = _TaskRun(task, shard, encoded, chats, self.recorded_thinking)
+        run = _TaskRun(task, shard, encoded, chats, self.recorded_thinking, space)
         if self._shared_decode():
             ids = [x[1] for x in encoded]
             for j, i in enumerate(self._decoder().add(ids, self._limits(ids))):
