@@ -17,6 +17,7 @@ config keys and tensor names as the published drafters, so `dflash.DFlashDraftMo
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -45,16 +46,18 @@ def extract_context_feature(hidden_states, layer_ids) -> torch.Tensor:
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
 
 
-_compiled_flex_attention = None
+@functools.cache
+def _compiled_flex_attention():
+    """flex_attention compiled once a process: made lazily (the first CUDA call), cached by functools rather than in
+    a module global the call assigns, so a compiled drafter's graph never writes a global (a guaranteed recompile)."""
+    return torch.compile(flex_attention)
 
 
 def _flex_attention(q, k, v, block_mask, scale):
-    """FlexAttention; compiled on CUDA, where the eager kernel would materialise the full score matrix."""
-    global _compiled_flex_attention
-    if q.is_cuda:
-        if _compiled_flex_attention is None:
-            _compiled_flex_attention = torch.compile(flex_attention)
-        return _compiled_flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
+    """FlexAttention. Eager on CUDA, the call goes through the compiled kernel (the eager one would materialise the
+    full score matrix); inside a compiled drafter dynamo compiles flex_attention with the rest of the graph."""
+    if q.is_cuda and not torch.compiler.is_compiling():
+        return _compiled_flex_attention()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
 
 
