@@ -72,6 +72,22 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
 
 
+class FloatRotaryEmbedding(Qwen3RotaryEmbedding):
+    """Qwen3's rotary embedding whose frequency buffers stay float32 whatever dtype the drafter is cast to (`.to`,
+    `.bfloat16()`, DeepSpeed's bf16 engine): a bf16 `inv_freq` puts the angles of position p off by p times its
+    rounding error, so a drafter served in bf16 would see other rotations than it was trained with. The cos/sin it
+    returns are computed in float32 and only then cast to the input's dtype, as the parent does."""
+
+    def _apply(self, fn, recurse=True):
+        before = dict(self.named_buffers(recurse=False))
+        super()._apply(fn, recurse)
+        for name, original in before.items():
+            moved = getattr(self, name)
+            if original.is_floating_point() and moved.dtype != original.dtype:
+                setattr(self, name, original.to(device=moved.device))
+        return self
+
+
 class DraftCache:
     """Per-layer K/V of the verified context (after k_norm and RoPE). Block K/V never enter it."""
 
@@ -157,7 +173,7 @@ class DFlashDrafter(nn.Module):
         self.target_layer_ids = list(self.spec.target_layer_ids)
         self.layers = nn.ModuleList([DraftLayer(config) for _ in range(config.num_hidden_layers)])
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.rotary_emb = FloatRotaryEmbedding(config)
         self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.reset_parameters()
