@@ -255,7 +255,13 @@ class EvalConfig:
     block_size: int | None = None  # None: the drafter's (1: plain decoding); an untrained drafter: DraftSpec's default
     drafter: str | None = None  # the exported drafter folder
     allow_untrained: bool = True  # no drafter at `drafter`: measure a random one, flagged loudly
-    # the tree, lookup and datastore methods are greedy only; plain_as_loaded: the target without exact verification
+    # exact verification (flashdraft/target/exact.py): on: every method runs the target made exact, so greedy outputs
+    # must equal plain decoding's token for token (the lossless check) | off: every method runs the target's own
+    # kernels, the speed a user gets (greedy outputs may part at a near-tie; the report gives where, as information)
+    # | auto: on when greedy, off when sampling. The speed table compares each method with plain in the same mode.
+    exact: str = "auto"
+    # the tree, lookup and datastore methods are greedy only; plain_as_loaded: a second copy of the target without
+    # exact verification, beside the exact one (eval.exact=off leaves it out: plain is then that already)
     methods: list[str] = field(
         default_factory=lambda: [
             "plain",

@@ -19,6 +19,7 @@ from flashdraft.target.exact import (
     exact_gemm_rows,
     make_verification_exact,
     needs_exact_verification,
+    resolve_exact,
 )
 from flashdraft.target.head import FrozenHead, frozen_head_from_model, load_frozen_head, read_target_tensors
 from flashdraft.target.load import (
@@ -55,6 +56,7 @@ __all__ = [
     "load_tokenizer",
     "make_verification_exact",
     "needs_exact_verification",
+    "resolve_exact",
     "read_target_tensors",
     "resolve_dtype",
     "resolve_target",
