@@ -47,9 +47,7 @@ def main() -> None:
     for way in ("float32", "bf16", "bf16, rotary rounded"):
         policy = ChainPolicy(served(args.drafter, way, args.target))
         start = time.perf_counter()
-        rounds = [
-            n for s in seq_ids for n in replay_acceptance(policy, store, s, max_new_tokens=args.max_new_tokens)
-        ]
+        rounds = [n for s in seq_ids for n in replay_acceptance(policy, store, s, max_new_tokens=args.max_new_tokens)]
         print(
             f"{way:21} tau {sum(rounds) / len(rounds):.4f}  rounds {len(rounds)}  tokens {sum(rounds)}  "
             f"({time.perf_counter() - start:.0f} s)",
