@@ -2,8 +2,8 @@
 from the decode settings, except prompt_lookup, the transformers baseline (`harness.baselines`).
 
   plain            the loop without drafts: KV cache, one target forward per token
-  plain_as_loaded  the same on the target as loaded, without the exact verification the harness gives it on CPU
-                   (unpadded GEMMs, SDPA): the plain decoding a user runs; every method's `speedup_vs_loaded` is over it
+  plain_as_loaded  the same on a copy of the target as loaded, beside the exact one (eval.exact on): unpadded GEMMs,
+                   SDPA, the plain decoding a user runs; its speedup over plain is what exactness costs
   prompt_lookup    transformers generate(prompt_lookup_num_tokens=...), the free baseline
   dflash           the drafter's block verified as one chain (the reference), optionally its confident prefix
   dflash_tree      a tree of the draft's most probable candidates verified a round (greedy only)
