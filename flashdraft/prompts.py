@@ -42,7 +42,7 @@ from pathlib import Path
 
 from flashdraft.hub import hub_unreachable_reason
 
-DEFAULT_HELDOUT_FRACTION = 0.2
+DEFAULT_HELDOUT_FRACTION = 0.2  # the share of each source held out for the harness (data|eval.heldout_fraction)
 ROLES = ("system", "user", "assistant")
 
 

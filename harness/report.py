@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from harness.methods import DRAFTER_METHODS, LOOKUP_METHODS
+from harness.methods import DRAFTER_METHODS, METHODS
 from harness.training_log import PARITY_TOLERANCE, parity_line
 
 TIMING_NOTE = (
@@ -131,6 +131,7 @@ def render_markdown(report: dict) -> str:
             f"Resumed: {s['resumed_prompts']} prompt turns were measured by an interrupted run with the same settings.",
             "",
         ]
+    out += ["Methods:", "", *(f"- {name}: {METHODS[name].label}" for name in methods), ""]
     out += ["## tau per prompt set and turn", "", breakdown_table(methods), ""]
     sources = list(next(iter(methods.values()))["by_source"])
     for source in sources:
@@ -142,16 +143,16 @@ def render_markdown(report: dict) -> str:
     bad = {
         name: m.get("mismatched_prompts")
         for name, m in methods.items()
-        if m.get("lossless") is False and name != "plain_as_loaded"
+        if m.get("lossless") is False and not METHODS[name].as_loaded
     }
     if not (s.get("exact") or {"on": True})["on"]:
         out += agreement_section(methods)
     if bad:
         out += ["## NOT LOSSLESS", "", *[f"- {name}: {', '.join(p)}" for name, p in bad.items()], ""]
-    if methods.get("plain_as_loaded", {}).get("lossless") is False:
+    for name in (n for n, m in methods.items() if METHODS[n].as_loaded and m.get("lossless") is False):
         out += [
-            "Plain decoding of the target as loaded left the exact target's greedy output on "
-            f"{', '.join(methods['plain_as_loaded']['mismatched_prompts'])} (last-bit differences at a near-tie; the "
+            f"{name}, the target as loaded, left the exact target's greedy output on "
+            f"{', '.join(methods[name]['mismatched_prompts'])} (last-bit differences at a near-tie; the "
             "speculative methods are compared with the exact target's plain decoding).",
             "",
         ]
@@ -162,21 +163,8 @@ def _rounds_section(method: str, d: dict, s: dict) -> list[str]:
     """A drafter method's acceptance histogram and round-time split (`d`: its summary, `s`: the settings)."""
     hist = d["acceptance_histogram"]
     total = max(sum(hist.values()), 1)
-    parts = [f"tree of {s['tree_size']} candidates, {s['tree_branching']} a position"] if method != "dflash" else []
-    if method in LOOKUP_METHODS:
-        parts.append(
-            f"lookup rounds where the newest {s.get('lookup_ngram')} tokens occurred before: "
-            f"{d.get('lookup_rounds', 0) - d.get('datastore_rounds', 0)} of {d['rounds']}"
-        )
-    if method == "dflash_datastore" and (store := s.get("datastore")):
-        parts.append(
-            f"datastore rounds, the continuation of the newest {s.get('datastore_ngram')} (down to "
-            f"{s.get('datastore_min_ngram')}) tokens seen at least "
-            f"{s.get('datastore_min_count')} times in {store['sequences']:,} training responses: "
-            f"{d.get('datastore_rounds', 0)} of {d['rounds']}"
-        )
+    parts = METHODS[method].rounds_words(s, d)
     tree = f" ({'; '.join(parts)})" if parts else ""
-    cutoff = s.get("draft_cutoff") if method == "dflash" else None
     return [
         f"## {method} rounds{tree}",
         "",
@@ -189,8 +177,7 @@ def _rounds_section(method: str, d: dict, s: dict) -> list[str]:
         "Mean round time: "
         + ", ".join(f"{k} {v:.2f} ms" for k, v in d["round_ms"].items())
         + f" (total {sum(d['round_ms'].values()):.2f} ms over {d['rounds']} rounds)"
-        + (f"; drafts verified per round {d['verified_drafts']:.2f}" if d.get("verified_drafts") is not None else "")
-        + (f" (eval.draft_cutoff {cutoff})" if cutoff else ""),
+        + (f"; drafts verified per round {d['verified_drafts']:.2f}" if d.get("verified_drafts") is not None else ""),
         "",
     ]
 

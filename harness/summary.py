@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from harness.methods import DRAFTER_METHODS, LOOKUP_METHODS
+from harness.methods import METHODS, PLAIN
 
 
 def _decode_throughput(records, method) -> tuple[int, float]:
@@ -39,12 +39,13 @@ def method_summary(records, method, *, greedy: bool, block_size: int | None = No
         "speedup": None,
         "lossless": None,
     }
-    if "plain" in records[0]["methods"]:  # plain in the same mode (exact or as loaded) as every method but one
-        tokens, seconds = _decode_throughput(records, "plain")
-        if summary["tokens_per_s"] and tokens and seconds > 0:
-            summary["speedup"] = summary["tokens_per_s"] / (tokens / seconds)
-    if "plain" in records[0]["methods"] and greedy:
-        parted = [first_difference(r["methods"][method]["tokens"], r["methods"]["plain"]["tokens"]) for r in records]
+    for baseline, key in ((name, m.speedup_key) for name, m in METHODS.items() if m.speedup_key):
+        if baseline in records[0]["methods"]:
+            tokens, seconds = _decode_throughput(records, baseline)
+            if summary["tokens_per_s"] and tokens and seconds > 0:
+                summary[key] = summary["tokens_per_s"] / (tokens / seconds)
+    if PLAIN in records[0]["methods"] and greedy:
+        parted = [first_difference(r["methods"][method]["tokens"], r["methods"][PLAIN]["tokens"]) for r in records]
         summary["lossless"] = all(at is None for at in parted) if exact else None
         summary["mismatched_prompts"] = [
             f"{r['source']}/{r['record_id']}" for r, at in zip(records, parted) if at is not None
@@ -54,7 +55,7 @@ def method_summary(records, method, *, greedy: bool, block_size: int | None = No
             "prompts": len(parted),
             "tokens_before_first_difference": [at for at in parted if at is not None],
         }
-    if method in DRAFTER_METHODS:
+    if METHODS[method].drafter:
         counts = Counter(rounds)
         longest = max(block_size or 1, max(rounds, default=1))  # a lookup round can commit more than a block
         summary["acceptance_histogram"] = {str(k): counts.get(k, 0) for k in range(1, longest + 1)}
@@ -64,10 +65,8 @@ def method_summary(records, method, *, greedy: bool, block_size: int | None = No
         summary["round_ms"] = {
             part: 1000 * sum(run[f"{part}_s"] for run in runs) / n for part in ("draft", "verify", "bookkeeping")
         }
-        if method in LOOKUP_METHODS:
-            summary["lookup_rounds"] = sum(run.get("lookup_rounds", 0) for run in runs)
-        if method == "dflash_datastore":
-            summary["datastore_rounds"] = sum(run.get("datastore_rounds", 0) for run in runs)
+        for count in METHODS[method].counts:
+            summary[count] = sum(run.get(count, 0) for run in runs)
     return summary
 
 

@@ -34,7 +34,7 @@ else
     EVAL=(eval.limit=1 eval.max_new_tokens=32 eval.warmup=false)
 fi
 echo "$RANKS" > "$WORK/ranks"
-RUN=(model.target="$WORK/target" "model.layer_ids=[1,3,5]" model.dtype="$DTYPE" run_dir="$WORK/run" device="$DEVICE")
+RUN=(model.target="$WORK/target" "drafter.layer_ids=[1,3,5]" model.dtype="$DTYPE" run_dir="$WORK/run" device="$DEVICE")
 
 # stage NAME CMD...: run CMD with its output in WORK/NAME.log and its wall time in WORK/times; stop on a failure.
 stage() {

@@ -14,6 +14,7 @@ from hydra import compose, initialize_config_dir
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from entry import typed_config
 from harness.__main__ import run, run_key
 from harness.methods import METHODS
 from tests.test_speculative import one_thread, tiny_drafter, tiny_target  # noqa: F401 (one_thread: autouse fixture)
@@ -84,12 +85,17 @@ def compose_config(over):
         return compose(config_name="config", overrides=over)
 
 
+def eval_settings(over):
+    """The composed config as the harness's entry point hands it to `run`: typed, once."""
+    return typed_config(compose_config(over))
+
+
 def test_quick_eval_writes_reports(target_dir, tmp_path, capsys):
     from flashdraft.prompts import load_prompts
 
     heldout = load_prompts("humaneval", split="heldout", limit=1)[0].seq_id
     write_training_store(tmp_path / "features", target_dir, heldout)  # the profile's training store: eval.datastore
-    report = run(compose_config(overrides(target_dir, tmp_path, "eval.block_size=4")))  # the untrained drafter's block
+    report = run(eval_settings(overrides(target_dir, tmp_path, "eval.block_size=4")))  # the untrained drafter's block
     out = tmp_path / "eval"
     saved = json.loads((out / "report.json").read_text())
     assert saved["methods"].keys() == set(METHODS)  # every method of the table
@@ -159,7 +165,7 @@ def test_plain_as_loaded_decodes_a_copy_of_the_target_without_exact_verification
     speculative_generate = harness.methods.speculative_generate
     monkeypatch.setattr(harness.methods, "speculative_generate", recording)
     report = run(
-        compose_config(
+        eval_settings(
             overrides(
                 target_dir,
                 tmp_path,
@@ -203,7 +209,7 @@ def test_exact_off_runs_every_method_on_the_target_as_loaded(target_dir, tmp_pat
     speculative_generate = harness.methods.speculative_generate
     monkeypatch.setattr(harness.methods, "speculative_generate", recording)
     report = run(
-        compose_config(
+        eval_settings(
             overrides(
                 target_dir,
                 tmp_path,
@@ -233,7 +239,7 @@ def test_exact_off_runs_every_method_on_the_target_as_loaded(target_dir, tmp_pat
 def test_trained_drafter_is_loaded_and_sampling_runs(target_dir, tmp_path):
     drafter = tiny_drafter(tiny_target("llama", vocab=320), block_size=8, mask_token_id=310, layers=1)
     drafter.save_pretrained(tmp_path / "drafter")
-    cfg = compose_config(
+    cfg = eval_settings(
         overrides(
             target_dir,
             tmp_path,
@@ -255,19 +261,34 @@ def test_trained_drafter_is_loaded_and_sampling_runs(target_dir, tmp_path):
     assert "warning" not in report
 
 
+def test_an_eval_block_size_the_drafter_does_not_fit_is_refused_by_name(target_dir, tmp_path):
+    drafter = tiny_drafter(tiny_target("llama", vocab=320), block_size=8, mask_token_id=310, layers=1)
+    drafter.save_pretrained(tmp_path / "drafter")
+    trained = [f"eval.drafter={tmp_path / 'drafter'}", "eval.allow_untrained=false", "eval.methods=[plain,dflash]"]
+    with pytest.raises(ValueError, match=r"eval.block_size 9 does not fit the drafter at .*drafter, whose block is 8"):
+        run(eval_settings(overrides(target_dir, tmp_path, *trained, "eval.block_size=9")))
+    with pytest.raises(ValueError, match=r"eval.block_size 0 does not fit"):
+        run(eval_settings(overrides(target_dir, tmp_path, *trained, "eval.block_size=0")))
+    untrained = [f"eval.drafter={tmp_path / 'none'}", "eval.methods=[plain,dflash]", "drafter.block_size=4"]
+    with pytest.raises(
+        ValueError, match=r"eval.block_size 5 does not fit the untrained drafter \(drafter.block_size\)"
+    ):
+        run(eval_settings(overrides(target_dir, tmp_path, *untrained, "eval.block_size=5")))
+
+
 def test_unknown_or_retired_eval_settings_are_refused_by_name(target_dir, tmp_path):
-    with pytest.raises(ValueError, match=r"unknown eval settings \['verify_by_cost'\]"):
-        run(compose_config(overrides(target_dir, tmp_path, "eval.methods=[plain]", "+eval.verify_by_cost=true")))
+    with pytest.raises(ValueError, match=r"unknown settings \['eval.verify_by_cost'\]"):
+        run(eval_settings(overrides(target_dir, tmp_path, "eval.methods=[plain]", "+eval.verify_by_cost=true")))
 
 
 def test_interrupted_eval_resumes_without_rerunning_finished_prompts(target_dir, tmp_path, capsys):
     over = overrides(target_dir, tmp_path, "eval.methods=[plain,dflash]")
-    first = run(compose_config(over))
+    first = run(eval_settings(over))
     log = tmp_path / "eval" / "runs.jsonl"
     lines = log.read_text().splitlines()
     assert len(lines) == 6 and first["settings"]["resumed_prompts"] == 0  # MT-Bench: two turns a prompt
     log.write_text("\n".join(lines[:2]) + "\n" + lines[2][: len(lines[2]) // 2])  # killed while writing the third line
-    second = run(compose_config(over))
+    second = run(eval_settings(over))
     assert second["settings"]["resumed_prompts"] == 2 and "resuming: 2 of 6 prompt turns" in capsys.readouterr().out
     again = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["seq_id"] for r in again] == [json.loads(line)["seq_id"] for line in lines]
@@ -277,9 +298,9 @@ def test_interrupted_eval_resumes_without_rerunning_finished_prompts(target_dir,
         assert second["methods"][method]["new_tokens"] == first["methods"][method]["new_tokens"]
     assert second["methods"]["dflash"]["lossless"] is True
     assert "Resumed: 2 prompt turns" in (tmp_path / "eval" / "report.md").read_text()
-    other = run(compose_config([*over, "eval.max_new_tokens=10"]))  # other settings: nothing is reused
+    other = run(eval_settings([*over, "eval.max_new_tokens=10"]))  # other settings: nothing is reused
     assert other["settings"]["resumed_prompts"] == 0 and len(log.read_text().splitlines()) == 6
-    fresh = run(compose_config([*over, "eval.max_new_tokens=10", "eval.resume=false"]))
+    fresh = run(eval_settings([*over, "eval.max_new_tokens=10", "eval.resume=false"]))
     assert fresh["settings"]["resumed_prompts"] == 0 and len(log.read_text().splitlines()) == 6
 
 
@@ -297,7 +318,7 @@ def test_the_resume_key_holds_the_methods_and_the_drafter():
 
 
 def test_missing_datastore_store_is_named(target_dir, tmp_path):
-    cfg = compose_config(overrides(target_dir, tmp_path, "eval.methods=[plain,dflash_datastore]"))
+    cfg = eval_settings(overrides(target_dir, tmp_path, "eval.methods=[plain,dflash_datastore]"))
     with pytest.raises(FileNotFoundError, match="no feature store at .*features.*eval.datastore"):
         run(cfg)
 
@@ -318,15 +339,13 @@ def test_draft_vocabulary_is_counted_in_the_training_store_and_stays_lossless(
     heldout = load_prompts("humaneval", split="heldout", limit=1)[0].seq_id
     write_training_store(tmp_path / "features", target_dir, heldout)
     report = run(
-        compose_config(
-            overrides(target_dir, tmp_path, "eval.methods=[plain,dflash,dflash_tree]", "eval.draft_vocab=16")
-        )
+        eval_settings(overrides(target_dir, tmp_path, "eval.methods=[plain,dflash,dflash_tree]", "eval.draft_vocab=16"))
     )
     assert report["settings"]["draft_vocab"] == {"words": 16, "store": str(tmp_path / "features")}
     assert vocabularies and set(vocabularies) == {16}  # every draft scored the 16 words
     assert all(report["methods"][m]["lossless"] for m in ("dflash", "dflash_tree"))
     without = run(
-        compose_config(
+        eval_settings(
             overrides(
                 target_dir,
                 tmp_path,
@@ -341,7 +360,7 @@ def test_draft_vocabulary_is_counted_in_the_training_store_and_stays_lossless(
 
 
 def test_missing_drafter_is_an_error_unless_allowed(target_dir, tmp_path):
-    cfg = compose_config(
+    cfg = eval_settings(
         overrides(target_dir, tmp_path, f"eval.drafter={tmp_path / 'none'}", "eval.allow_untrained=false")
     )
     with pytest.raises(FileNotFoundError, match="no drafter at"):
@@ -351,7 +370,7 @@ def test_missing_drafter_is_an_error_unless_allowed(target_dir, tmp_path):
 def test_full_config_composes():
     cfg = compose_config(["eval=full"])
     assert cfg.eval.name == "full" and cfg.eval.limit is None and cfg.eval.allow_untrained is False
-    assert list(cfg.eval.methods) == list(METHODS)  # eval=full runs every method of the table
+    assert cfg.eval.methods is None  # eval=full runs every method of the table (harness.methods.methods_asked)
     assert (
         cfg.eval.datastore.endswith("/features") and cfg.eval.datastore_ngram == 4 and cfg.eval.datastore_min_ngram == 2
     )
@@ -360,7 +379,7 @@ def test_full_config_composes():
 
 
 def test_tree_method_with_sampling_is_refused_by_name(target_dir, tmp_path):
-    cfg = compose_config(overrides(target_dir, tmp_path, "eval.temperature=0.7"))
+    cfg = eval_settings(overrides(target_dir, tmp_path, "eval.temperature=0.7"))
     with pytest.raises(ValueError, match="dflash_tree is greedy only"):
         run(cfg)
 
@@ -421,22 +440,29 @@ def test_the_method_table_builds_each_methods_policy():
 def test_untrained_drafter_geometry_comes_from_the_spec_and_a_trained_one_must_fit(target_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from flashdraft.spec import capture_layer_ids
+    from flashdraft.config import DrafterConfig
+    from flashdraft.spec import DraftSpec, capture_layer_ids
     from flashdraft.target import choose_mask_token
     from harness.drafter import load_drafter
 
     target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    drafter, untrained = load_drafter(None, target, tokenizer, allow_untrained=True)
-    assert untrained and drafter.block_size == 16 and len(drafter.layers) == 5  # DraftSpec's defaults
+    drafter, untrained = load_drafter(None, target, tokenizer, DrafterConfig(), allow_untrained=True)
+    assert untrained and (drafter.spec.block_size, drafter.spec.num_draft_layers) == (
+        DraftSpec.block_size,
+        DraftSpec.num_draft_layers,
+    )  # DraftSpec's defaults, through the drafter settings
     assert drafter.target_layer_ids == capture_layer_ids(target.config)
     assert drafter.mask_token_id == choose_mask_token(tokenizer, target.config.vocab_size)
-    assert load_drafter(None, target, tokenizer, allow_untrained=True, block_size=4)[0].block_size == 4
+    shaped = DrafterConfig(block_size=4, num_layers=2, layer_ids=[2, 7])  # made as the trainer makes its spec
+    drafter = load_drafter(None, target, tokenizer, shaped, allow_untrained=True)[0]
+    made = DraftSpec.from_settings(shaped, [2, 7], drafter.mask_token_id).draft_config(target.config)
+    assert drafter.config.to_dict() == made.to_dict()
     tiny_drafter(tiny_target("llama", vocab=300), block_size=8, mask_token_id=290, layers=1).save_pretrained(
         tmp_path / "d"
     )
     with pytest.raises(ValueError, match="does not fit the target: vocab_size 300 != target's 320"):
-        load_drafter(tmp_path / "d", target, tokenizer)
+        load_drafter(tmp_path / "d", target, tokenizer, DrafterConfig())
 
 
 def test_eval_config_defaults_are_the_quick_profile():

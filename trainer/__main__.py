@@ -6,18 +6,20 @@ import os
 import re
 import shlex
 import sys
+from dataclasses import replace
 
 import hydra
 from omegaconf import DictConfig
 
-from flashdraft.config import DrafterConfig, TrainConfig, as_settings, register_configs
+from entry import register_configs, typed_config
+from flashdraft.config import Config, TrainConfig
 from trainer.launch import local_ranks, torchrun_command
 from trainer.train import train
 
 
-def train_config(cfg: DictConfig, sweep_subdir: str | None = None) -> TrainConfig:
-    """The train node as a TrainConfig; a sweep's job trains into its own directory."""
-    tc = as_settings(cfg.train, TrainConfig, "train")
+def train_config(cfg: Config, sweep_subdir: str | None = None) -> TrainConfig:
+    """The train settings; a sweep's job trains into its own directory."""
+    tc = replace(cfg.train)
     if sweep_subdir:
         tc.out_dir = os.path.join(tc.out_dir, sweep_subdir)
         tc.drafter_dir = os.path.join(tc.out_dir, "drafter")
@@ -50,7 +52,8 @@ def main(cfg: DictConfig) -> None:
     subdir = None
     if hc.mode == RunMode.MULTIRUN:
         subdir = re.sub(r"[^A-Za-z0-9_.=,-]+", "_", hc.job.override_dirname) or str(hc.job.num)
-    train(train_config(cfg, subdir), as_settings(cfg.drafter, DrafterConfig, "drafter"))
+    config = typed_config(cfg)  # once, here: the trainer gets typed settings
+    train(train_config(config, subdir), config.drafter)
 
 
 if __name__ == "__main__":

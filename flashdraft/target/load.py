@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from flashdraft.hub import hub_unreachable_reason
+from flashdraft.target.family import text_config
 
 EMBEDDED_NAME = "smollm2-135m"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -110,7 +111,7 @@ def load_config(name_or_path: str, trust_remote_code: bool = False):
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(resolve_reachable(name_or_path), trust_remote_code=trust_remote_code)
-    return getattr(config, "text_config", None) or config
+    return text_config(config)
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
