@@ -268,8 +268,14 @@ class EvalConfig:
     block_size: int | None = None
     drafter: str | None = None  # the exported drafter folder
     allow_untrained: bool = True  # no drafter at `drafter`: measure a random one, flagged loudly
+    # exact verification (flashdraft/target/exact.py): on: every method runs the target made exact, so greedy outputs
+    # must equal plain decoding's token for token (the lossless check) | off: every method runs the target's own
+    # kernels, the speed a user gets (greedy outputs may part at a near-tie; the report gives where, as information)
+    # | auto: on when greedy, off when sampling. The speed table compares each method with plain in the same mode.
+    exact: str = "auto"
     # the methods compared, by name (harness/methods.py); None: every method of that table. The tree, lookup and
-    # datastore methods are greedy only; plain_as_loaded: the target without exact verification
+    # datastore methods are greedy only; plain_as_loaded: a second copy of the target without exact verification,
+    # beside the exact one (eval.exact=off leaves it out: plain is then that already)
     methods: list[str] | None = None
     prompt_lookup_num_tokens: int = 10  # prompt_lookup, and the most tokens a lookup or datastore round verifies
     draft_cutoff: float = 0.0  # dflash: verify the drafts of cumulative draft probability >= this (0: all)

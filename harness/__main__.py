@@ -32,8 +32,8 @@ from flashdraft.target import (
     frozen_head_from_model,
     load_target,
     make_verification_exact,
-    needs_exact_verification,
     resolve_dtype,
+    resolve_exact,
     stop_token_ids,
     target_fingerprint,
 )
@@ -79,19 +79,32 @@ class Bench:
     facts: dict | None = None  # what the build found, for the report: drafter, datastore, draft vocabulary
 
 
-def load_targets(model, config: EvalConfig, device, trust_remote_code: bool):
-    """(the target, made exact where the device needs it; its tokenizer; the target as loaded, for plain_as_loaded,
-    or None)."""
+def load_targets(model, config: EvalConfig, device, trust_remote_code: bool, exact: bool):
+    """(the target, made exact where `exact`; its tokenizer; the target as loaded, for plain_as_loaded, or None)."""
     dtype = resolve_dtype(model.dtype, device)
     target, tokenizer = load_target(model.target, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     loaded_target = None
-    if needs_exact_verification(dtype, device):
+    if exact:
         if any(METHODS[m].as_loaded for m in config.methods):  # a second copy, left as loaded, as a user runs it
             loaded_target = load_target(model.target, dtype=dtype, device=device, trust_remote_code=trust_remote_code)[
                 0
             ]
         make_verification_exact(target)
     return target, tokenizer, loaded_target
+
+
+def exact_mode(cfg: Config, config: EvalConfig) -> tuple[EvalConfig, dict]:
+    """(the eval config as it runs, the report's `exact` entry): eval.exact resolved for this device and dtype; with
+    exact verification off, plain already runs the target as loaded, so plain_as_loaded is left out."""
+    device = resolve_device(cfg.device)
+    exact, why = resolve_exact(
+        config.exact, resolve_dtype(cfg.model.dtype, device), device, greedy=config.temperature == 0
+    )
+    loaded = [m for m in config.methods if METHODS[m].as_loaded]
+    if not exact and loaded:
+        print(f"exact verification off: {', '.join(loaded)} left out (plain runs the target as loaded already)")
+        config = replace(config, methods=[m for m in config.methods if m not in loaded])
+    return config, {"setting": config.exact, "on": exact, "why": why}
 
 
 def with_draft_vocab(proposer, config: EvalConfig, prompts, vocab_size: int):
@@ -145,11 +158,11 @@ def load_datastore(config: EvalConfig, prompts):
     return datastore, info
 
 
-def build(cfg: Config) -> Bench:
+def build(cfg: Config, exact: dict) -> Bench:
     """Target, drafter, prompts, draft vocabulary, datastore, and the policies of the methods asked for."""
     config = cfg.eval
     device = resolve_device(cfg.device)
-    target, tokenizer, loaded_target = load_targets(cfg.model, config, device, cfg.trust_remote_code)
+    target, tokenizer, loaded_target = load_targets(cfg.model, config, device, cfg.trust_remote_code, exact=exact["on"])
     proposer, untrained, block_size, drafter_name = None, False, 1, None
     if any(m in DRAFTER_METHODS for m in config.methods):
         drafter, untrained = load_drafter(
@@ -183,6 +196,7 @@ def build(cfg: Config) -> Bench:
         "drafter_layer_ids": proposer and proposer.layer_ids,
         "datastore": datastore_info,
         "draft_vocab": vocab_info,
+        "exact": exact,
     }
     policies = build_policies(config.methods, settings, proposer, datastore)
     return Bench(target, tokenizer, prompts, settings, policies, proposer, untrained, loaded_target, facts)
@@ -340,7 +354,11 @@ def make_report(bench: Bench, config: EvalConfig, records: list[dict], run_facts
     report = {
         "settings": settings,
         "methods": summarize(
-            records, config.methods, greedy=config.temperature == 0, block_size=bench.settings.block_size
+            records,
+            config.methods,
+            greedy=config.temperature == 0,
+            block_size=bench.settings.block_size,
+            exact=bench.facts["exact"]["on"],
         ),
         "prompts": [
             {
@@ -362,10 +380,13 @@ def make_report(bench: Bench, config: EvalConfig, records: list[dict], run_facts
 def run(cfg: Config) -> dict:
     """Build (target, drafter, prompts, policies) -> evaluate every method -> report (json, markdown, pictures)."""
     cfg = replace(cfg, eval=replace(cfg.eval, methods=methods_asked(cfg.eval.methods)))
+    eval_settings, exact = exact_mode(cfg, cfg.eval)
+    cfg = replace(cfg, eval=eval_settings)
     config = cfg.eval
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    bench = build(cfg)
+    print(f"exact verification: {'on' if exact['on'] else 'off'} ({exact['why']})")
+    bench = build(cfg, exact)
     records, run_facts = measure(bench, config, cfg.model.target)
     report = make_report(bench, config, records, run_facts)
     out_dir = Path(config.out_dir)

@@ -14,7 +14,16 @@ def _decode_throughput(records, method) -> tuple[int, float]:
     return sum(sum(run["acceptance_lengths"]) for run in runs), sum(run["decode_s"] for run in runs)
 
 
-def method_summary(records, method, *, greedy: bool, block_size: int | None = None) -> dict:
+def first_difference(tokens: list[int], plain: list[int]) -> int | None:
+    """The tokens a method's output shares with plain decoding's before they first differ (None: identical)."""
+    if tokens == plain:
+        return None
+    return next((i for i, (a, b) in enumerate(zip(tokens, plain)) if a != b), min(len(tokens), len(plain)))
+
+
+def method_summary(records, method, *, greedy: bool, block_size: int | None = None, exact: bool = True) -> dict:
+    """`exact`: whether the target ran with exact verification; without it, greedy outputs that part from plain
+    decoding's are information (`agreement`), not a lossless failure (`lossless` None)."""
     runs = [r["methods"][method] for r in records]
     rounds = [a for run in runs for a in run["acceptance_lengths"]]
     decode_tokens, decode_s = _decode_throughput(records, method)
@@ -36,9 +45,16 @@ def method_summary(records, method, *, greedy: bool, block_size: int | None = No
             if summary["tokens_per_s"] and tokens and seconds > 0:
                 summary[key] = summary["tokens_per_s"] / (tokens / seconds)
     if PLAIN in records[0]["methods"] and greedy:
-        same = [r["methods"][method]["tokens"] == r["methods"][PLAIN]["tokens"] for r in records]
-        summary["lossless"] = all(same)
-        summary["mismatched_prompts"] = [f"{r['source']}/{r['record_id']}" for r, ok in zip(records, same) if not ok]
+        parted = [first_difference(r["methods"][method]["tokens"], r["methods"][PLAIN]["tokens"]) for r in records]
+        summary["lossless"] = all(at is None for at in parted) if exact else None
+        summary["mismatched_prompts"] = [
+            f"{r['source']}/{r['record_id']}" for r, at in zip(records, parted) if at is not None
+        ]
+        summary["agreement"] = {
+            "identical_prompts": sum(at is None for at in parted),
+            "prompts": len(parted),
+            "tokens_before_first_difference": [at for at in parted if at is not None],
+        }
     if METHODS[method].drafter:
         counts = Counter(rounds)
         longest = max(block_size or 1, max(rounds, default=1))  # a lookup round can commit more than a block
@@ -60,7 +76,7 @@ def thinking_name(record) -> str | None:
     return None if mode is None else ("on" if mode else "off")
 
 
-def summarize(records, methods, *, greedy: bool, block_size: int | None) -> dict:
+def summarize(records, methods, *, greedy: bool, block_size: int | None, exact: bool = True) -> dict:
     """Each method's summary over every record, with the same summary per prompt source (`by_source`), per
     conversation turn (`by_turn`, "1", "2", ...: a record without a turn is a first turn) and per thinking mode
     (`by_thinking`, on / off, where the records carry one: a drafter trained in one mode accepts far less in the
@@ -68,12 +84,12 @@ def summarize(records, methods, *, greedy: bool, block_size: int | None) -> dict
     out = {}
     modes = [m for m in dict.fromkeys(thinking_name(r) for r in records) if m is not None]
     for method in methods:
-        out[method] = method_summary(records, method, greedy=greedy, block_size=block_size)
+        out[method] = method_summary(records, method, greedy=greedy, block_size=block_size, exact=exact)
         keys = [("by_source", _source), ("by_turn", _turn)] + ([("by_thinking", thinking_name)] if modes else [])
         for name, key in keys:
             out[method][name] = {
                 value: method_summary(
-                    [r for r in records if key(r) == value], method, greedy=greedy, block_size=block_size
+                    [r for r in records if key(r) == value], method, greedy=greedy, block_size=block_size, exact=exact
                 )
                 for value in dict.fromkeys(key(r) for r in records)
                 if value is not None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
+import sys
 from dataclasses import replace
 
 import hydra
@@ -11,6 +13,7 @@ from omegaconf import DictConfig
 
 from entry import register_configs, typed_config
 from flashdraft.config import Config, TrainConfig
+from trainer.launch import local_ranks, torchrun_command
 from trainer.train import train
 
 
@@ -23,6 +26,19 @@ def train_config(cfg: Config, sweep_subdir: str | None = None) -> TrainConfig:
     return tc
 
 
+def relaunch_per_gpu(device: str, *, sweep: bool) -> None:
+    """On a machine with several visible GPUs and no launcher, replace this process with torchrun running one rank
+    per GPU (`trainer.launch.local_ranks`); `CUDA_VISIBLE_DEVICES` picks which GPUs, one of them trains alone."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    ranks = local_ranks(os.environ, gpus, device, sweep=sweep)
+    if ranks > 1:
+        command = torchrun_command(ranks, sys.argv[1:])
+        print(f"{gpus} GPUs visible: one rank per GPU: {shlex.join(command)}", flush=True)
+        os.execv(command[0], command)
+
+
 register_configs()
 
 
@@ -32,6 +48,7 @@ def main(cfg: DictConfig) -> None:
     from hydra.types import RunMode
 
     hc = HydraConfig.get()
+    relaunch_per_gpu(cfg.train.device, sweep=hc.mode == RunMode.MULTIRUN)
     subdir = None
     if hc.mode == RunMode.MULTIRUN:
         subdir = re.sub(r"[^A-Za-z0-9_.=,-]+", "_", hc.job.override_dirname) or str(hc.job.num)

@@ -19,6 +19,7 @@ from flashdraft.target.exact import (
     exact_gemm_rows,
     make_verification_exact,
     needs_exact_verification,
+    resolve_exact,
 )
 from flashdraft.target.family import FAMILIES, GENERIC, SPARE_ROW_MASK_TOKEN, ModelFamily, family_of, text_config
 from flashdraft.target.head import FrozenHead, frozen_head_from_model, load_frozen_head, read_target_tensors
@@ -61,6 +62,7 @@ __all__ = [
     "load_tokenizer",
     "make_verification_exact",
     "needs_exact_verification",
+    "resolve_exact",
     "read_target_tensors",
     "resolve_dtype",
     "resolve_target",
