@@ -69,7 +69,7 @@ else
     CAPTURE=()
     TRAIN=(train.compile=false)
     ATTENTION=dense
-    EVAL=(eval.limit=1 eval.max_new_tokens=32 eval.warmup=false)
+    EVAL=(eval.limit=1 eval.max_new_tokens=32 eval.warmup=false eval.turns=single)
 fi
 # The harness's exact verification, where it has the setting (greedy plain and speculative decoding then take the
 # same kernels on any device).

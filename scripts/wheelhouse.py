@@ -6,8 +6,9 @@ environment holds (the ones CI tested), so a machine with no index installs them
 
 Sets (what is walked: the named roots and everything they require, read from this environment's metadata, with
 markers evaluated for the target Python; never into torch, and for `smoke` never into transformers either):
-  full   everything `scripts/setup.sh` installs: pyproject's dependencies and its test extra, the data packages,
-         and setuptools (the build backend of flashdraft's own editable install)
+  full   everything `scripts/setup.sh` installs but torch: pyproject's dependencies and its test extra, the data
+         packages, setuptools (the build backend of flashdraft's own editable install), and what this environment's
+         torch requires (so a torch wheel put next to them installs too)
   smoke  only what jobs/gpu_smoke.sh's path imports beyond torch and transformers (in-process capture, no Ray, W&B,
          datasets or matplotlib), small enough to carry to an air-gapped node
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -43,7 +45,8 @@ PROVIDED = {"full": {"torch"}, "smoke": {"torch", "transformers"}}
 
 def full_roots() -> list[str]:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    return [*project["dependencies"], *project["optional-dependencies"]["test"], "setuptools"]
+    torch_needs = metadata.requires("torch") or []
+    return [*project["dependencies"], *project["optional-dependencies"]["test"], "setuptools", *torch_needs]
 
 
 def marker_env(python_version: str) -> dict:
@@ -99,12 +102,12 @@ def pip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, check=check)
 
 
-def have_wheel(out: Path, name: str, version: str) -> bool:
-    for path in out.glob("*.whl"):
+def find_wheel(folder: Path | None, name: str, version: str) -> Path | None:
+    for path in folder.glob("*.whl") if folder else ():
         wheel_name, wheel_version, _, _ = parse_wheel_filename(path.name)
         if wheel_name == name and str(wheel_version) == version:
-            return True
-    return False
+            return path
+    return None
 
 
 def fetch(out: Path, name: str, version: str, python_version: str, platforms: list[str]) -> str:
@@ -141,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", choices=["full", "smoke"], default="full")
     parser.add_argument("--python-version", default=f"{sys.version_info.major}.{sys.version_info.minor}")
     parser.add_argument("--glibc", default="2.28", help="the oldest glibc of the nodes (manylinux tags up to it)")
+    parser.add_argument("--reuse", type=Path, help="a wheelhouse for the same target whose wheels are copied")
     args = parser.parse_args(argv)
     roots = full_roots() if args.set == "full" else SMOKE_ROOTS
     leaves = {canonicalize_name(n) for n in DATA_PACKAGES}
@@ -151,9 +155,12 @@ def main(argv: list[str] | None = None) -> int:
     platforms = platform_tags(args.glibc)
     args.out.mkdir(parents=True, exist_ok=True)
     for name, version in sorted(wanted.items()):
-        if not have_wheel(args.out, name, version):
-            how = fetch(args.out, name, version, args.python_version, platforms)
-            print(f"  {name}=={version}: {how}", flush=True)
+        if find_wheel(args.out, name, version):
+            continue
+        if reused := find_wheel(args.reuse, name, version):
+            shutil.copy2(reused, args.out / reused.name)
+        else:
+            print(f"  {name}=={version}: {fetch(args.out, name, version, args.python_version, platforms)}", flush=True)
     pins = "".join(f"{name}=={version}\n" for name, version in sorted(wanted.items()))
     (args.out / "requirements.txt").write_text(pins)
     (args.out / "roots.txt").write_text("".join(f"{r}\n" for r in roots))
