@@ -3,7 +3,7 @@
 #   bash scripts/setup.sh                    # from the package index
 #   bash scripts/setup.sh --wheelhouse DIR   # from DIR alone, no index (an air-gapped node; DIR from `make wheelhouse`)
 # torch, in this order, and it says which it took:
-#   1. the torch .venv already has, whatever its build (a CUDA torch installed by hand is kept);
+#   1. the torch .venv already imports, whatever its build (a CUDA torch installed by hand is kept);
 #   2. a CUDA torch of the base Python ($PYTHON): .venv is made with --system-site-packages and uses it;
 #   3. TORCH_SPEC if set (e.g. TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128");
 #   4. with --wheelhouse: a torch wheel in DIR;
@@ -47,7 +47,7 @@ fi
 PIP=".venv/bin/python -m pip"
 [[ -n "$WHEELHOUSE" ]] || $PIP install -q --upgrade pip
 if [[ -z "$TORCH_FROM" ]] && torch_build .venv/bin/python >/dev/null; then
-    TORCH_FROM="already in .venv, kept"
+    TORCH_FROM="already importable in .venv, kept"
 fi
 if [[ -z "$TORCH_FROM" ]]; then
     if [[ -n "${TORCH_SPEC:-}" ]]; then

