@@ -29,6 +29,9 @@ WORK=${WORK:-$(mktemp -d /tmp/gpu-smoke.XXXXXX)}
 RESULT=${1:-${OUT:+$OUT/gpu_smoke.json}}
 RESULT=${RESULT:-$WORK/gpu_smoke.json}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
+# DeepSpeed's JIT-built ops (its CPU comm op) in the work folder: a build for another torch, or a lock left by a killed
+# build, in the user's cache cannot stall the smoke.
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$WORK/torch_extensions}
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 cd "$ROOT"
 mkdir -p "$WORK" "$(dirname "$RESULT")"
