@@ -160,7 +160,8 @@ def test_setup_from_a_wheelhouse_with_no_index(tmp_path):
         if (ROOT / name).is_file():
             (copy / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, copy / name)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}  # no index, mirror or find-links
+    # no index, mirror or find-links; no PYTHONPATH (the copy's own flashdraft must be the one imported)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") and k != "PYTHONPATH"}
     env |= {"PIP_CONFIG_FILE": os.devnull, "PIP_NO_INDEX": "1", "PYTHON": shutil.which(f"python{HERE}") or "python3"}
     out = subprocess.run(
         ["bash", "scripts/setup.sh", "--wheelhouse", str(house)], cwd=copy, env=env, capture_output=True, text=True
@@ -169,7 +170,9 @@ def test_setup_from_a_wheelhouse_with_no_index(tmp_path):
     assert f"torch {metadata.version('torch')} CPU build: the wheel in {house}" in out.stdout
     check = "import flashdraft, pipeline, trainer, harness, ray, deepspeed, wandb, zarr\n"
     check += "from flashdraft.target.load import embedded_gguf_path\nembedded_gguf_path()\nprint(flashdraft.__file__)"
-    imported = subprocess.run([f"{copy}/.venv/bin/python", "-c", check], capture_output=True, text=True, cwd="/")
+    imported = subprocess.run(
+        [f"{copy}/.venv/bin/python", "-c", check], capture_output=True, text=True, cwd="/", env=env
+    )
     assert imported.returncode == 0, imported.stderr
     assert imported.stdout.strip().splitlines()[-1].startswith(str(copy))  # (deepspeed logs to stdout first)
 
