@@ -114,8 +114,11 @@ def export_drafter(drafter_cls, config, state: dict, out: Path, dtype=None) -> P
     if not out.exists():
         os.replace(tmp, out)
         fsync_dir(out.parent)
-    elif exchange(tmp, out):  # the new folder at `out`, the previous one at `tmp`
-        shutil.rmtree(tmp)
+    elif exchange(tmp, out):  # the new folder at `out`, the previous one (a folder or a link to one) at `tmp`
+        if tmp.is_symlink():
+            tmp.unlink()
+        else:
+            shutil.rmtree(tmp)
     else:  # no atomic exchange here (NFS): two renames; the previous drafter waits at `old` meanwhile
         shutil.rmtree(old, ignore_errors=True)
         os.replace(out, old)
