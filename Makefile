@@ -12,24 +12,21 @@ ARGS ?=
 
 setup: .venv/.installed
 
-# CLUSTER=slurm submits `make features` and `make train` with sbatch (jobs/*.sbatch; log in logs/<job name>-<id>.out)
-# on NODES nodes with GPUS_PER_NODE GPUs each, PARTITION and TIME if given, after job AFTER succeeds if given, with
-# other sbatch options in SBATCH_ARGS (e.g. --cpus-per-task=32 --account=me). CLUSTER=ray submits the capture to
-# the Ray cluster at RAY_ADDRESS (jobs/ray_submit.sh). docs/cluster.md.
+# CLUSTER=slurm submits `make features` and `make train` with sbatch (jobs/slurm_submit.sh: jobs/*.sbatch, log in
+# logs/<job name>-<id>.out) on NODES nodes with CPUS_PER_NODE CPUs and GPUS_PER_NODE GPUs each (default: the most
+# that NODES of the partition's nodes have), PARTITION and TIME if given, after job AFTER succeeds if given, with
+# other sbatch options in SBATCH_ARGS (e.g. --account=me); what the partition cannot run is refused, naming the
+# limit. CLUSTER=ray submits the capture to the Ray cluster at RAY_ADDRESS (jobs/ray_submit.sh). docs/cluster.md.
 CLUSTER ?= local
 NODES ?= 2
-GPUS_PER_NODE ?= 8
-SBATCH_OPTS = --parsable --nodes=$(NODES) --gpus-per-node=$(GPUS_PER_NODE) $(if $(PARTITION),--partition=$(PARTITION)) \
-	$(if $(TIME),--time=$(TIME)) $(if $(AFTER),--dependency=afterok:$(AFTER)) $(SBATCH_ARGS)
 ifeq ($(filter $(CLUSTER),local slurm ray),)
 $(error CLUSTER=$(CLUSTER): use local, slurm or ray)
 endif
 
 # $(call sbatch,JOB,ARGS): submit jobs/slurm_JOB.sbatch with Hydra overrides ARGS; print the job id and its log.
 define sbatch
-	@mkdir -p logs
-	@out=$$(GPUS_PER_NODE=$(GPUS_PER_NODE) sbatch $(SBATCH_OPTS) jobs/slurm_$(1).sbatch $(2)) && id=$${out%%;*} && \
-		echo "submitted $(1) job $$id: log logs/flashdraft-$(1)-$$id.out; chain with AFTER=$$id"
+	@NODES='$(NODES)' CPUS_PER_NODE='$(CPUS_PER_NODE)' GPUS_PER_NODE='$(GPUS_PER_NODE)' PARTITION='$(PARTITION)' \
+		TIME='$(TIME)' AFTER='$(AFTER)' SBATCH_ARGS='$(SBATCH_ARGS)' bash jobs/slurm_submit.sh $(1) $(2)
 endef
 
 # PROFILE=quick|full picks conf/profile/<name>.yaml: its data, train and eval groups, the drafter's block size and

@@ -34,6 +34,19 @@ node_addr() {
         || { echo "node $1: NodeAddr $addr does not resolve to an IPv4 address" >&2; return 1; }
 }
 
+# ray_addr NODE: the address Ray takes for NODE given `ray start --node-ip-address=$(node_addr NODE)`. Ray replaces
+# 127.0.0.1 by this machine's own address (ray._private.services.resolve_ip_for_localhost, which `ray start` calls):
+# asking Ray the same keeps the head address the scripts name and connect to the one Ray prints.
+ray_addr() {
+    local addr
+    addr=$(node_addr "$1") || return 1
+    if ! dry && [[ $addr == 127.* ]]; then
+        local ask='import sys; from ray._private.services import resolve_ip_for_localhost as r; print(r(sys.argv[1]))'
+        addr=$("$PY" -c "$ask" "$addr" 2>/dev/null) || addr=$(node_addr "$1")
+    fi
+    echo "$addr"
+}
+
 # gpus_per_node: GPUS_PER_NODE, else the GPUs Slurm gave this node, else the GPUs nvidia-smi lists, else 0 (CPU).
 gpus_per_node() {
     if [[ -n "${GPUS_PER_NODE:-}" ]]; then
@@ -82,11 +95,20 @@ steps_alive() {
 stop_steps() {
     local pid _
     ((${#STEPS[@]})) || return 0
+    echo "stopping the job's steps (scancel --signal=TERM: slurmstepd logs each as CANCELLED)"
     scancel --signal=TERM "$SLURM_JOB_ID" 2>/dev/null || true
     for _ in $(seq 30); do steps_alive any || break; sleep 1; done
     for pid in "${STEPS[@]}"; do kill "$pid" 2>/dev/null || true; done
     for pid in "${STEPS[@]}"; do wait "$pid" 2>/dev/null || true; done
     STEPS=()
+}
+
+# on_node_until_stopped HOST CMD...: on_node, for a CMD that runs until stop_steps ends it (`ray start --block`):
+# jobs/until_stopped.sh makes that stop read as success, so a completed job's log shows no failed step.
+on_node_until_stopped() {
+    local host=$1
+    shift
+    on_node "$host" bash "$FLASHDRAFT_ROOT/jobs/until_stopped.sh" "$@"
 }
 
 # here CMD...: run CMD on this (the batch) node, or print it under DRY_RUN.

@@ -3,13 +3,39 @@
 #   RAY_ADDRESS=http://head:8265 NUM_ACTORS=16 bash jobs/ray_submit.sh run_dir=/shared/runs/qwen3-8b model=qwen3-8b
 # The working tree is uploaded and the job runs in that copy, on the head node: the run's outputs (run_dir, and
 # features_dir, by default run_dir/features) must be absolute paths on a filesystem every node sees; a relative one
-# is refused here, before anything is submitted. The nodes need the same environment (scripts/setup.sh): the job
-# runs CLUSTER_PYTHON, by default the `python` on the PATH the head node was started with (start the nodes from
-# the activated environment: `source .venv/bin/activate && ray start ...`), else give its path.
+# is refused here, before anything is submitted, as is a fleet the cluster's nodes cannot hold (jobs/ray_fits.py:
+# NUM_ACTORS actors of cluster.cpus_per_actor CPUs and cluster.gpus_per_actor GPUs; CHECK_FIT=0 skips it, for a
+# cluster that scales up). The nodes need the same environment (scripts/setup.sh): the job runs CLUSTER_PYTHON, by
+# default the `python` on the PATH the head node was started with (start the nodes from the activated environment:
+# `source .venv/bin/activate && ray start ...`), else give its path. The script follows the job's log until it
+# ends; stopped (Ctrl-C, or make killed) it stops the job too.
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 : "${RAY_ADDRESS:?set RAY_ADDRESS to the cluster dashboard, e.g. http://head:8265}"
 overrides=(cluster=ray cluster.ray_address=auto cluster.num_actors="${NUM_ACTORS:-8}" "$@")
 "$PY" -m pipeline paths "${overrides[@]}" >&2
-here "$RAY" job submit --address="$RAY_ADDRESS" --working-dir="$FLASHDRAFT_ROOT" \
-    --runtime-env-json='{"excludes": [".venv", "runs", ".git"]}' -- \
-    "${CLUSTER_PYTHON:-python}" -m pipeline "${overrides[@]}"
+[[ ${CHECK_FIT:-1} == 0 ]] || dry || "$PY" "$FLASHDRAFT_ROOT/jobs/ray_fits.py" "$RAY_ADDRESS" "${overrides[@]}"
+
+ID=flashdraft-capture-$(date -u +%Y%m%d-%H%M%S)-$$
+submit=("$RAY" job submit --address="$RAY_ADDRESS" --submission-id="$ID" --working-dir="$FLASHDRAFT_ROOT"
+    --runtime-env-json='{"excludes": [".venv", "runs", ".git"]}' -- "${CLUSTER_PYTHON:-python}" -m pipeline
+    "${overrides[@]}")
+if dry; then
+    here "${submit[@]}"
+    exit
+fi
+
+# stop_job SIGNAL CODE: the job ends with this script: stop it on the cluster, then the log follower; exit CODE.
+stop_job() {
+    trap - INT TERM HUP
+    echo "$1: stopping Ray job $ID" >&2
+    "$RAY" job stop --address="$RAY_ADDRESS" "$ID" >&2 || echo "ray job stop $ID failed: the job may still run" >&2
+    [[ -z ${client:-} ]] || { kill "$client" 2>/dev/null; wait "$client" 2>/dev/null; } || true
+    exit "$2"
+}
+trap 'stop_job SIGINT 130' INT
+trap 'stop_job SIGTERM 143' TERM
+trap 'stop_job SIGHUP 129' HUP
+# in the background, so that a signal runs the trap at once (a foreground command would hold it until it ends)
+"${submit[@]}" &
+client=$!
+wait "$client"

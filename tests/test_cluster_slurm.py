@@ -1,7 +1,9 @@
 """The Slurm path as a user runs it: a real two-node Slurm cluster on this machine (scripts/slurm-local.sh: n1 and
-n2, one CPU each), the real jobs/*.sbatch submitted with sbatch from the checkout, chained with
---dependency=afterok. The capture runs a Ray head on n1 and a worker on n2 with one capture actor on each; the
-training runs one torchrun per node (c10d rendezvous, gloo on CPU) and exports a drafter the harness loads."""
+n2, one CPU each). What the partition cannot run is refused by `make features CLUSTER=slurm` before sbatch; a batch
+script sbatch'd by its path from elsewhere logs there. The capture and the training are submitted with make and its
+default CPUs and GPUs, chained with AFTER (--dependency=afterok). The capture runs a Ray head on n1 and a worker on
+n2 with one capture actor on each; the training runs one torchrun per node (c10d rendezvous, gloo on CPU) and
+exports a drafter the harness loads."""
 
 import json
 import os
@@ -70,11 +72,67 @@ def wait_for(job: str, env, timeout=900) -> dict:
     raise TimeoutError(f"job {job} not done after {timeout} s: {fields}")
 
 
-def sbatch(script: str, *args: str, env) -> str:
-    cmd = ["sbatch", "--parsable", "--gpus-per-node=0", "--cpus-per-task=1", "--time=20"]
-    out = subprocess.run([*cmd, f"jobs/{script}", *args], cwd=ROOT, env=env, capture_output=True, text=True)
+def make_cluster(target: str, *options: str, env) -> subprocess.CompletedProcess:
+    """`make TARGET CLUSTER=slurm OPTIONS` in the checkout (-o: the checkout's .venv is not rebuilt here)."""
+    make = ["make", "--no-print-directory", "-o", ".venv/.installed", target, "CLUSTER=slurm", *options]
+    return subprocess.run(make, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+def submitted(out: subprocess.CompletedProcess, job: str) -> str:
+    """The job id `make features|train CLUSTER=slurm` printed, with its log in the checkout's logs/."""
+    assert out.returncode == 0, out.stdout + out.stderr
+    return re.search(rf"submitted {job} job (\d+) .*: log logs/flashdraft-{job}-\1\.out", out.stdout).group(1)
+
+
+def slurm_env(conf: str) -> dict:
+    """The user's environment with the local cluster's SLURM_CONF: nothing set that the make variables default."""
+    drop = {"GPUS_PER_NODE", "CPUS_PER_NODE", "NODES", "PARTITION", "SBATCH_ARGS", "FLASHDRAFT_ROOT"}
+    return {**{k: v for k, v in os.environ.items() if k not in drop}, "SLURM_CONF": conf}
+
+
+@pytest.mark.parametrize(
+    "option, refusal",
+    [
+        ("CPUS_PER_NODE=64", "partition local has no 2 nodes with 64 CPUs (CPUS_PER_NODE) and 0 GPUs"),
+        ("GPUS_PER_NODE=8", "partition local has no 2 nodes with 1 CPUs (CPUS_PER_NODE) and 8 GPUs (GPUS_PER_NODE)"),
+        ("NODES=3", "partition local has 2 nodes, NODES=3"),
+        ("PARTITION=gpu", "no partition gpu (PARTITION) with nodes; sinfo lists: local* (2 nodes)"),
+        ("SBATCH_ARGS=--mem=999999999", "sbatch --test-only "),
+    ],
+)
+def test_make_refuses_a_job_the_partition_cannot_run_naming_the_limit(slurm_conf, option, refusal):
+    """Slurm would accept these and leave them pending for ever (PartitionConfig): refused before sbatch, with
+    what the partition's nodes have (n1 and n2, one CPU each, no GPU)."""
+    env = slurm_env(slurm_conf)
+    before = subprocess.run(["squeue", "-h", "-o", "%i"], env=env, capture_output=True, text=True).stdout
+    out = make_cluster("features", option, env=env)
+    assert out.returncode != 0 and "submitted" not in out.stdout
+    assert f"refused, nothing submitted: {refusal}" in out.stderr, out.stderr
+    assert option.startswith("PARTITION=") or "2 nodes with 1 CPUs and 0 GPUs (n1 n2)" in out.stderr
+    after = subprocess.run(["squeue", "-h", "-o", "%i"], env=env, capture_output=True, text=True).stdout
+    assert after == before
+
+
+def test_a_job_sbatched_from_elsewhere_logs_there_and_runs_the_checkout(slurm_conf, tmp_path):
+    """Submitted by its path from another directory (Slurm runs a copy from its spool): the log is in the submit
+    directory, and the job runs the checkout's trainer, whose error (no store here) the log shows."""
+    env = slurm_env(slurm_conf)
+    cmd = ["sbatch", "--parsable", "--cpus-per-task=1", "--gpus-per-node=0", "--time=5"]
+    script = ROOT / "jobs" / "slurm_train.sbatch"
+    out = subprocess.run(
+        [*cmd, str(script), f"features_dir={tmp_path / 'none'}", f"run_dir={tmp_path / 'run'}"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stderr
-    return out.stdout.strip().split(";")[0]
+    job = out.stdout.strip().split(";")[0]
+    fields = wait_for(job, env, timeout=300)
+    log = tmp_path / f"flashdraft-train-{job}.out"
+    assert fields["StdOut"] == str(log) and log.is_file()
+    assert fields["JobState"] == "FAILED"
+    assert f"no feature store at {tmp_path / 'none'}" in log.read_text()
 
 
 TRAIN_ARGS = [
@@ -83,15 +141,6 @@ TRAIN_ARGS = [
     "drafter.num_layers=1",
     "drafter.block_size=4",
 ]
-
-
-def make_train_after(job: str, overrides: list[str], env) -> str:
-    """`make train CLUSTER=slurm AFTER=<job>` (the README's chain; -o: the checkout's .venv is not rebuilt here)."""
-    make = ["make", "--no-print-directory", "-o", ".venv/.installed", "train", "CLUSTER=slurm", f"AFTER={job}"]
-    opts = ["NODES=2", "GPUS_PER_NODE=0", "TIME=20", "SBATCH_ARGS=--cpus-per-task=1", f"ARGS={' '.join(overrides)}"]
-    out = subprocess.run([*make, *opts], cwd=ROOT, env=env, capture_output=True, text=True)
-    assert out.returncode == 0, out.stdout + out.stderr
-    return re.search(r"submitted train job (\d+): log logs/flashdraft-train-\1\.out", out.stdout).group(1)
 
 
 def tiny_qwen3_target(folder: Path) -> str:
@@ -114,20 +163,17 @@ def jobs(slurm_conf, tmp_path_factory):
     target = tiny_qwen3_target(tmp / "target")
     ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths must stay short
     env = {
-        **os.environ,
-        "SLURM_CONF": slurm_conf,
-        "GPUS_PER_NODE": "0",
+        **slurm_env(slurm_conf),
         "RAY_PORT": str(free_port()),
         "RAY_HEAD_ARGS": f"--temp-dir={ray_tmp} --include-dashboard=false --ray-client-server-port={free_port()}",
-        "RAY_START_ARGS": "--object-store-memory=100000000 --disable-usage-stats",
+        "RAY_START_ARGS": "--object-store-memory=100000000",
         "RAY_DEDUP_LOGS": "0",
         "RDZV_PORT": str(free_port()),
         "OMP_NUM_THREADS": "1",
     }
     model = [f"model.target={target}", "model.name=tiny", "model.num_layers=6", "model.hidden_size=64"]
     paths = [f"run_dir={tmp / 'run'}", f"features_dir={tmp / 'features'}"]
-    capture = sbatch(
-        "slurm_capture.sbatch",
+    capture_args = [
         *model,
         f"model.layer_ids=[{','.join(map(str, LAYERS))}]",
         "model.dtype=float32",
@@ -138,9 +184,11 @@ def jobs(slurm_conf, tmp_path_factory):
         "data.shard_size=2",
         "data.batch_size=2",
         *paths,
-        env=env,
-    )
-    train = make_train_after(capture, [*model, *paths, *TRAIN_ARGS], env)
+    ]
+    # the README's commands with no CPU or GPU count: the partition's (one CPU, no GPU) by default
+    capture = submitted(make_cluster("features", "TIME=20", f"ARGS={' '.join(capture_args)}", env=env), "capture")
+    train_args = " ".join([*model, *paths, *TRAIN_ARGS])
+    train = submitted(make_cluster("train", f"AFTER={capture}", "TIME=20", f"ARGS={train_args}", env=env), "train")
     yield dict(capture=capture, train=train, env=env, tmp=tmp, target=target, prompts=prompts, ray_tmp=ray_tmp)
     subprocess.run(["scancel", capture, train], env=env, capture_output=True)
     shutil.rmtree(ray_tmp, ignore_errors=True)
@@ -170,7 +218,12 @@ def actor_nodes(log: str, ray_tmp: str) -> set[str]:
 
 def test_capture_on_two_slurm_nodes(jobs):
     log = finished_log(jobs["capture"], "flashdraft-capture", jobs["env"])
-    assert re.search(r"Ray at 127\.0\.0\.1:\d+: 2/2 nodes up", log)  # n1 and n2 by their NodeAddr
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", log)
+    # n1 and n2 (NodeAddr 127.0.0.1) under the address Ray gives them, the one it prints for each node
+    head = re.search(r"Ray at (\S+):\d+: 2/2 nodes up", plain).group(1)
+    assert re.findall(r"Local node IP: (\S+)", plain) == [head, head]
+    assert "Usage stats collection is disabled." in plain  # the head's word, for the cluster; no RAY_START_ARGS
+    assert "srun: error" not in plain  # the Ray steps stopped at the end are no failed tasks
     assert actor_nodes(log, jobs["ray_tmp"]) == {"raylet.out", "raylet.1.out"}  # one actor on each node
     store = jobs["tmp"] / "features"
     verify = subprocess.run(

@@ -3,10 +3,13 @@ server, the dashboard, on 127.0.0.1, and a second node), the job submitted throu
 Relative output paths are refused before a job is submitted, and by the pipeline inside a job."""
 
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -111,3 +114,71 @@ def test_ray_submit_refuses_relative_output_paths_before_submitting():
     assert f"error: run_dir=runs/qwen3-8b is {WHY}" in out.stderr
     assert "run_dir=/shared/runs/qwen3-8b" in out.stderr  # what to give instead
     assert out.stdout == ""  # `ray job submit` never ran
+
+
+def make_features(address: str, env: dict, *options: str, **popen) -> list[str] | subprocess.Popen:
+    """`make features CLUSTER=ray` as a user runs it against the cluster (-o: the .venv is not rebuilt here)."""
+    cmd = ["make", "--no-print-directory", "-o", ".venv/.installed", "features", "CLUSTER=ray", *options]
+    return subprocess.Popen(cmd, env={**env, "RAY_ADDRESS": address}, cwd=ROOT, text=True, **popen)
+
+
+def ray_jobs(address: str) -> dict[str, str]:
+    from ray.job_submission import JobSubmissionClient
+
+    return {j.submission_id: str(j.status) for j in JobSubmissionClient(address).list_jobs()}
+
+
+@pytest.mark.cluster
+def test_a_fleet_the_cluster_cannot_hold_is_refused_with_the_numbers(tmp_path, ray_job_cluster):
+    """The defaults (8 actors of 1 GPU and 4 CPUs) on two 1-CPU nodes without GPUs: Ray would wait for ever."""
+    address, env = ray_job_cluster
+    before = ray_jobs(address)
+    make = make_features(
+        address, env, f"ARGS=run_dir={tmp_path / 'run'}", stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    out, err = make.communicate(timeout=300)
+    assert make.returncode != 0, out + err
+    assert (
+        f"error: the Ray cluster at {address} (2 nodes with 1 CPUs and 0 GPUs) holds 0 of the 8 capture actors of "
+        "4 CPUs and 1 GPUs each (cluster.num_actors=8, cluster.cpus_per_actor=4, cluster.gpus_per_actor=1)"
+    ) in err
+    assert ray_jobs(address) == before  # nothing submitted
+
+
+@pytest.mark.cluster
+def test_stopping_make_stops_the_ray_job(tmp_path, ray_job_cluster):
+    """Ctrl-C on `make features CLUSTER=ray` (SIGINT to its process group) stops the Ray job it submitted; here a
+    job that would wait for ever for GPU actors (submitted anyway: CHECK_FIT=0)."""
+    address, env = ray_job_cluster
+    target = build_tiny_target(tmp_path / "target")
+    args = f"ARGS=run_dir={tmp_path / 'run'} model.target={target} model.layer_ids=[0,1,2] data.limit=2"
+    make = make_features(
+        address,
+        {**env, "CHECK_FIT": "0"},
+        args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        job = wait_for_job(address, make)
+        os.killpg(make.pid, signal.SIGINT)
+        out, _ = make.communicate(timeout=120)
+    finally:
+        if make.poll() is None:
+            os.killpg(make.pid, signal.SIGKILL)
+    assert make.returncode != 0 and f"SIGINT: stopping Ray job {job}" in out, out[-3000:]
+    assert ray_jobs(address)[job] == "STOPPED"
+
+
+def wait_for_job(address: str, make: subprocess.Popen, timeout: float = 180) -> str:
+    """The submission id of the job `make` submitted, once it runs (its driver waiting for the actors)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert make.poll() is None, make.stdout.read()
+        running = [k for k, v in ray_jobs(address).items() if re.match(r"flashdraft-capture-", k) and v == "RUNNING"]
+        if running:
+            time.sleep(5)  # the driver past its start, asking for actors
+            return running[0]
+        time.sleep(1)
+    raise TimeoutError(f"no flashdraft-capture job running after {timeout} s")

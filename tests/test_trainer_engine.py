@@ -143,10 +143,24 @@ def test_target_init_and_eval_on_separate_held_out_stores(setup, tmp_path):
         eval_every=4,
         checkpoint_every=0,
     )
-    run_training(tmp_path, kw)
+    out = run_training(tmp_path, kw)
     evals = metrics(tmp_path / "run", "eval/loss")
     assert len(evals) == 1 and evals[0]["eval/tau"] >= 1.0
+    assert "no eval/* metrics" not in out.stdout
     assert len(metrics(tmp_path / "run")) == 4
+
+
+def test_eval_every_with_nothing_held_out_is_said_once(setup, tmp_path):
+    """No held-out sequence: eval_every cannot log eval/* rows, and the run says so at the start, once."""
+    _, target, store = setup
+    kw = train_kwargs(tmp_path, store.path, target, heldout_fraction=0.0, epochs=1, max_steps=3, eval_every=1)
+    out = run_training(tmp_path, {**kw, "checkpoint_every": 0})
+    note = (
+        "no eval/* metrics: nothing is held out (train.heldout_fraction=0 and no train.eval_stores); "
+        "train.eval_every=1 (eval every 1 steps) does nothing"
+    )
+    assert out.stdout.count(note) == 1, out.stdout[-2000:]
+    assert metrics(tmp_path / "run", "eval/loss") == [] and len(metrics(tmp_path / "run")) == 3
 
 
 def test_init_from_an_exported_drafter_starts_from_its_weights(setup, tmp_path):

@@ -116,6 +116,8 @@ def train(cfg: TrainConfig, drafter: DrafterConfig) -> dict:
     proc.dtype = training_dtype(cfg.dtype, proc.device, resumed=saved_dtype(ckpt_root, tag) if tag else None)
     eval_data = training_data(cfg, spec, cfg.eval_stores, heldout_fraction=1.0) if cfg.eval_stores else data
     heldout = eval_data.plan(0, split="heldout", token_budget=cfg.token_budget, world_size=proc.world, rank=proc.rank)
+    if not heldout.steps and is_rank_zero():
+        print(no_eval_note(cfg, eval_data), flush=True)
 
     torch.manual_seed(cfg.seed)
     draft_config = spec.draft_config(target_config)
@@ -369,6 +371,24 @@ def evaluate_heldout(engine, forward: Forward, data: TrainingData, heldout: Plan
     engine.train()
     tally.all_sum()
     return {f"eval/{k}": v for k, v in tally.summary(int(tally.count)).items()}
+
+
+def no_eval_note(cfg: TrainConfig, eval_data: TrainingData) -> str:
+    """Why the run will log no eval/* metrics (no held-out sequence with a valid anchor), said once at the start:
+    train.eval_every does nothing then."""
+    usable = f"a valid anchor (block size {eval_data.block_size})"
+    if cfg.eval_stores:
+        why = f"train.eval_stores {list(cfg.eval_stores)} hold no sequence with {usable}"
+    elif cfg.heldout_fraction <= 0:
+        why = "nothing is held out (train.heldout_fraction=0 and no train.eval_stores)"
+    else:
+        held = int(eval_data.heldout.sum())
+        why = (
+            f"train.heldout_fraction={cfg.heldout_fraction} holds out {held} of the {len(eval_data)} sequences of "
+            f"{list(cfg.stores)}, none with {usable}"
+        )
+    when = f"every {cfg.eval_every} steps" if cfg.eval_every else "at the end"
+    return f"no eval/* metrics: {why}; train.eval_every={cfg.eval_every} (eval {when}) does nothing"
 
 
 def log_eval(log: MetricsLog, metrics: dict, step: int) -> dict:
