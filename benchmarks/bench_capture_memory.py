@@ -79,6 +79,7 @@ def peak_mb() -> float:
 def child(args) -> None:
     """One task in this process; prints {"loaded_mb", "peak_mb", "tokens", "code"} as JSON."""
     import pipeline.capture
+    from flashdraft.config import DataConfig
     from flashdraft.prompts import PromptRecord
     from flashdraft.store import shard_name
     from pipeline.job import open_store
@@ -90,11 +91,26 @@ def child(args) -> None:
         PromptRecord(f"b{i}", "bench", str(i), ({"role": "user", "content": ask},), "train")
         for i, ask in enumerate(asks)
     )
+    data = DataConfig()
     settings = CaptureSettings(
         target=args.target,
         layer_ids=LAYERS,
+        dtype="float32",
+        device="cpu",
+        mode="regenerate",
+        turns="single",
         max_new_tokens=args.new_tokens,
+        max_length=data.max_length,
+        max_prompt_tokens=data.max_prompt_tokens,
         batch_size=args.batch_size,
+        prefill_tokens="auto",
+        gpu_memory_fraction=data.gpu_memory_fraction,
+        sampling=data.sampling,
+        seed=0,
+        system_prompt=None,
+        enable_thinking=None,
+        thinking_share=None,
+        trust_remote_code=False,
         torch_threads=args.threads,
     )
     store = Path(args.store)

@@ -1,9 +1,11 @@
-"""The typed settings of every stage: one dataclass per Hydra config group, each default stated once, here.
+"""The typed settings of every stage: one dataclass per config group, each default stated once, here (the drafter's
+geometry: DraftSpec's, flashdraft/spec.py; the held-out share: flashdraft/prompts.py).
 
 Every entry point (`python -m pipeline | trainer | harness`) composes the whole of conf/config.yaml, so each
 needs every group's schema; they live in the core because no stage may import another. The dataclasses are
-plain: a stage's code gets an instance (`OmegaConf.to_object`), never a DictConfig. The yaml files under conf/
-hold profiles (values that differ from these defaults) and documentation of the choices.
+plain and know nothing of Hydra: the entry points register them and convert the composed config once
+(`entry.typed_config`); a stage's code gets instances, never a DictConfig. The yaml files under conf/ hold profiles
+(values that differ from these defaults) and documentation of the choices.
 """
 
 from __future__ import annotations
@@ -11,6 +13,10 @@ from __future__ import annotations
 import typing
 from dataclasses import dataclass, field, is_dataclass
 from typing import Any
+
+from flashdraft.prompts import DEFAULT_HELDOUT_FRACTION
+from flashdraft.spec import DEFAULT_NUM_FEATURES, DraftSpec
+from flashdraft.target.memory import DEFAULT_FRACTION
 
 MISSING = "???"  # OmegaConf's marker of a value the yaml or the command line must give
 
@@ -31,8 +37,6 @@ class ModelConfig:
     target: str = MISSING  # a hub id, a local HF folder, or smollm2-135m (the embedded default)
     num_layers: int = MISSING
     hidden_size: int = MISSING
-    layer_ids: list[int] | None = None  # the layers to capture; None: the reference formula (flashdraft.spec)
-    num_target_features: int = 5  # how many layers the formula picks
     dtype: str = "bfloat16"  # auto (bf16 on CUDA and on CPUs with fast bf16, else float32) | bfloat16 | float32
     chat: ChatConfig = field(default_factory=ChatConfig)
 
@@ -42,12 +46,17 @@ class ModelConfig:
 
 @dataclass
 class DrafterConfig:
-    """The drafter's shape as asked for; the trainer makes the DraftSpec from it and the store's layer ids."""
+    """The drafter's shape as asked for, defaults DraftSpec's: `DraftSpec.from_settings` makes the spec of it (the
+    trainer's, and the harness's untrained drafter's)."""
 
-    block_size: int = 16
-    num_layers: int = 5
-    layer_ids: list[int] | None = None  # None: every layer the feature stores hold
-    intermediate_size: int | None = None  # None: the target's
+    block_size: int = DraftSpec.block_size
+    num_layers: int = DraftSpec.num_draft_layers
+    # the target layers the drafter reads: the pipeline captures them, the trainer reads them from the stores (which
+    # must hold them). None: the reference formula's `num_features` layers (flashdraft.spec.default_layer_ids) for the
+    # pipeline, every layer the stores hold for the trainer
+    layer_ids: list[int] | None = None
+    num_features: int = DEFAULT_NUM_FEATURES
+    intermediate_size: int | None = DraftSpec.intermediate_size  # None: the target's
 
 
 # --- data: prompts -> features (conf/data/*.yaml; read by the pipeline) -------------------------
@@ -92,7 +101,7 @@ class DataConfig:
     path: str | None = None  # data=local: the user's .jsonl or .parquet file
     split: str | None = "train"  # train | heldout | None (all): held-out prompts stay for the harness
     limit: Any = None  # records per source: a number for all, a {source: number} map, or None (all)
-    heldout_fraction: float = 0.2
+    heldout_fraction: float = DEFAULT_HELDOUT_FRACTION
     mode: str = "regenerate"  # regenerate: the target writes the responses | capture: the records carry them
     # regenerate mode: all: every user turn answered in order against the target's own earlier answers, one sequence
     # a conversation (pipeline/turns.py) | single: the record's final user turn only (later followups dropped)
@@ -117,7 +126,7 @@ class DataConfig:
     # prompts joining a regenerate decode prefill in groups of at most it; auto: from the free GPU memory in capture
     # mode, 16384 otherwise (on a CPU, regenerate: the joining prompts prefill together, unsplit)
     prefill_tokens: Any = "auto"
-    gpu_memory_fraction: float = 0.85  # of the GPU memory free after the target loads, what auto plans to fill
+    gpu_memory_fraction: float = DEFAULT_FRACTION  # of the GPU memory free after the target loads, what auto fills
     shard_size: int = 32  # prompts per fleet task = per store shard
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
@@ -141,7 +150,7 @@ def source_figures(figures: dict) -> dict[str, SourceFigures]:
         key = f"data.figures.{source}"
         if not isinstance(values, dict):
             raise ValueError(f"{key} must be a mapping of {list(SourceFigures.__dataclass_fields__)}, got {values!r}")
-        fig = as_settings(values, SourceFigures, key)
+        fig = checked_settings(values, SourceFigures, key)
         missing = [k for k in SourceFigures.__dataclass_fields__ if getattr(fig, k) == MISSING]
         if missing:
             raise ValueError(f"{key} lacks {missing}")
@@ -218,10 +227,10 @@ class TrainConfig:
     check_target: bool = True  # refuse stores captured from another target (config and tokenizer hashes)
     # the stores' checksums before step 1: full (every inner chunk, the work split over the ranks) | sample (every
     # shard's attributes and every array's index, `verify_sample` of the inner chunks) | off. sample by default: full
-    # reads every byte, which at paper scale (~26 TB) takes hours even split over the ranks, at every start and
-    # resume of a multi-day run; sample finds in seconds what damages whole files (truncation, a missing file, a bad
-    # index), and a chunk it did not read still stops the read that meets it, naming store, shard, array, rows and
-    # sequence (at most the steps since the last checkpoint lost). Small stores (conf/train/cpu.yaml) take full.
+    # reads every byte of the store at every start and resume, which grows with the store; sample finds what damages
+    # whole files (truncation, a missing file, a bad index) in time independent of the chunks' bytes, and a chunk it
+    # did not read still stops the read that meets it, naming store, shard, array, rows and sequence (at most the
+    # steps since the last checkpoint lost). Small stores (conf/train/cpu.yaml) take full.
     verify_store: str = "sample"
     verify_sample: float = 0.01  # sample: the share of each array's inner chunks read (at least one a shard)
     progress: bool = True
@@ -239,11 +248,10 @@ class EvalConfig:
     name: str = "quick"
     prompts: list[str] = field(default_factory=lambda: ["humaneval", "mtbench"])  # flashdraft.prompts sources
     split: str = "heldout"  # heldout | train | all
-    heldout_fraction: float = 0.2  # the share of each source held out (data=heldout reads it too)
+    heldout_fraction: float = DEFAULT_HELDOUT_FRACTION  # the share of each source held out (data=heldout reads it)
     limit: int | None = 4  # prompts per source (None: all)
     # all: a multi-turn record's later user turns (MT-Bench's second questions) are each measured after the target's
-    # own plain answer to the turn before (harness/evaluate.py) | single: the first turn only. The quick profile
-    # (conf/profile/quick.yaml) keeps single, as its published figures were made.
+    # own plain answer to the turn before (harness/evaluate.py) | single: the first turn only
     turns: str = "all"
     max_new_tokens: int = 64
     # the template's enable_thinking (Qwen3): None: model.chat.enable_thinking | on | off | both: every prompt in
@@ -252,21 +260,19 @@ class EvalConfig:
     temperature: float = 0.0  # 0: greedy, outputs compared token for token with plain decoding
     top_p: float = 1.0
     top_k: int = 0  # 0: off
-    block_size: int | None = None  # None: the drafter's (1: plain decoding); an untrained drafter: DraftSpec's default
+    # the block the loop runs: None: the drafter's; 1: plain decoding; at most the drafter's (refused above it)
+    block_size: int | None = None
     drafter: str | None = None  # the exported drafter folder
     allow_untrained: bool = True  # no drafter at `drafter`: measure a random one, flagged loudly
-    # the tree, lookup and datastore methods are greedy only; plain_as_loaded: the target without exact verification
-    methods: list[str] = field(
-        default_factory=lambda: [
-            "plain",
-            "plain_as_loaded",
-            "prompt_lookup",
-            "dflash",
-            "dflash_tree",
-            "dflash_lookup",
-            "dflash_datastore",
-        ]
-    )
+    # exact verification (flashdraft/target/exact.py): on: every method runs the target made exact, so greedy outputs
+    # must equal plain decoding's token for token (the lossless check) | off: every method runs the target's own
+    # kernels, the speed a user gets (greedy outputs may part at a near-tie; the report gives where, as information)
+    # | auto: on when greedy, off when sampling. The speed table compares each method with plain in the same mode.
+    exact: str = "auto"
+    # the methods compared, by name (harness/methods.py); None: every method of that table. The tree, lookup and
+    # datastore methods are greedy only; plain_as_loaded: a second copy of the target without exact verification,
+    # beside the exact one (eval.exact=off leaves it out: plain is then that already)
+    methods: list[str] | None = None
     prompt_lookup_num_tokens: int = 10  # prompt_lookup, and the most tokens a lookup or datastore round verifies
     draft_cutoff: float = 0.0  # dflash: verify the drafts of cumulative draft probability >= this (0: all)
     tree_size: int = 7  # dflash_tree (and the lookup methods' tree): candidates verified a round
@@ -287,7 +293,7 @@ class EvalConfig:
     replay_store: str | None = None  # the eval prompts' store: served-order replay
 
 
-# --- the root and its registration with Hydra ---------------------------------------------------
+# --- the root ---------------------------------------------------
 
 
 @dataclass
@@ -307,13 +313,6 @@ class Config:
     trust_remote_code: bool = False
 
 
-def register_configs() -> None:
-    """Make the schema known to Hydra as `schema` (conf/config.yaml builds on it). Call before composing."""
-    from hydra.core.config_store import ConfigStore
-
-    ConfigStore.instance().store(name="schema", node=Config)
-
-
 def unknown_settings(values: dict, schema: type) -> list[str]:
     """The dotted keys of `values` (a plain mapping) that the dataclass `schema` has no field for. Hydra's
     `+key=value` adds such keys to a structured config, and `OmegaConf.to_object` would drop them silently."""
@@ -327,14 +326,15 @@ def unknown_settings(values: dict, schema: type) -> list[str]:
     return sorted(unknown)
 
 
-def as_settings(node, schema: type, group: str):
-    """A composed group (or a plain mapping) as a `schema` instance; keys it does not know (a retired option, a
-    typo) are refused by name."""
-    from omegaconf import OmegaConf
+def checked_settings(values: dict, schema: type, group: str):
+    """A plain mapping as a `schema` instance; keys it does not know (a retired option, a typo) are refused by name."""
+    refuse_unknown(values, schema, group)
+    return schema(**values)
 
-    composed = OmegaConf.is_config(node)
-    values = OmegaConf.to_container(node, resolve=False) if composed else dict(node)
+
+def refuse_unknown(values: dict, schema: type, group: str) -> None:
+    """Refuse, by name, the keys of `values` that `schema` does not know (`group`: where they sit, "" for the root)."""
     unknown = unknown_settings(values, schema)
     if unknown:
-        raise ValueError(f"unknown {group} settings {unknown} ({group}.* in conf/ or on the command line)")
-    return OmegaConf.to_object(node) if composed else schema(**values)
+        where = f"{group}.* in conf/" if group else "conf/"
+        raise ValueError(f"unknown {group + ' ' if group else ''}settings {unknown} ({where} or on the command line)")

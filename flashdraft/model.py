@@ -17,6 +17,7 @@ config keys and tensor names as the published drafters, so `dflash.DFlashDraftMo
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -45,16 +46,18 @@ def extract_context_feature(hidden_states, layer_ids) -> torch.Tensor:
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
 
 
-_compiled_flex_attention = None
+@functools.cache
+def _compiled_flex_attention():
+    """flex_attention compiled once a process: made lazily (the first CUDA call), cached by functools rather than in
+    a module global the call assigns, so a compiled drafter's graph never writes a global (a guaranteed recompile)."""
+    return torch.compile(flex_attention)
 
 
 def _flex_attention(q, k, v, block_mask, scale):
-    """FlexAttention; compiled on CUDA, where the eager kernel would materialise the full score matrix."""
-    global _compiled_flex_attention
-    if q.is_cuda:
-        if _compiled_flex_attention is None:
-            _compiled_flex_attention = torch.compile(flex_attention)
-        return _compiled_flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
+    """FlexAttention. Eager on CUDA, the call goes through the compiled kernel (the eager one would materialise the
+    full score matrix); inside a compiled drafter dynamo compiles flex_attention with the rest of the graph."""
+    if q.is_cuda and not torch.compiler.is_compiling():
+        return _compiled_flex_attention()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
 
 
@@ -67,6 +70,22 @@ def _on_rows(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+class FloatRotaryEmbedding(Qwen3RotaryEmbedding):
+    """Qwen3's rotary embedding whose frequency buffers stay float32 whatever dtype the drafter is cast to (`.to`,
+    `.bfloat16()`, DeepSpeed's bf16 engine): a bf16 `inv_freq` puts the angles of position p off by p times its
+    rounding error, so a drafter served in bf16 would see other rotations than it was trained with. The cos/sin it
+    returns are computed in float32 and only then cast to the input's dtype, as the parent does."""
+
+    def _apply(self, fn, recurse=True):
+        before = dict(self.named_buffers(recurse=False))
+        super()._apply(fn, recurse)
+        for name, original in before.items():
+            moved = getattr(self, name)
+            if original.is_floating_point() and moved.dtype != original.dtype:
+                setattr(self, name, original.to(device=moved.device))
+        return self
 
 
 class DraftCache:
@@ -154,7 +173,7 @@ class DFlashDrafter(nn.Module):
         self.target_layer_ids = list(self.spec.target_layer_ids)
         self.layers = nn.ModuleList([DraftLayer(config) for _ in range(config.num_hidden_layers)])
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.rotary_emb = FloatRotaryEmbedding(config)
         self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.reset_parameters()

@@ -1,9 +1,11 @@
 """The drafter's geometry: which target layers feed it, its block size, its mask token, its depth.
 
-A `DraftSpec` is made once, by the trainer, from the feature store's manifest (the layers the pipeline
-captured) and the model config; it is saved in the drafter's config.json in the published format
-(`block_size`, `num_hidden_layers`, `dflash_config.target_layer_ids`, `dflash_config.mask_token_id`) and read
-back from there by everything after training: the harness, the reference package, serving engines.
+A `DraftSpec` holds the geometry's defaults and is made in one way, `DraftSpec.from_settings` (the `drafter`
+settings, the target layers, the mask token): by the trainer, from the layers the feature stores hold, and by the
+harness for an untrained drafter, from the layers a capture would take. It is saved in the drafter's config.json in
+the published format (`block_size`, `num_hidden_layers`, `dflash_config.target_layer_ids`,
+`dflash_config.mask_token_id`) and read back from there by everything after training: the harness, the reference
+package, serving engines.
 `export_config` adds what those readers need beyond transformers 5's own keys (`rope_theta`, `rope_scaling`,
 `auto_map`); docs/serving.md lists who reads what.
 
@@ -16,7 +18,9 @@ from dataclasses import dataclass
 
 from transformers import Qwen3Config
 
-DEFAULT_NUM_FEATURES = 5
+from flashdraft.target.family import text_config
+
+DEFAULT_NUM_FEATURES = 5  # how many target layers the reference formula picks
 
 # The remote-code entry the published z-lab drafters carry: class `DFlashDraftModel` of a `dflash.py` module. We ship
 # no `dflash.py`: SGLang and vLLM dispatch on `architectures`, the `dflash` package imports its own class, and our own
@@ -47,13 +51,9 @@ def check_layer_ids(layer_ids, num_target_layers: int) -> list[int]:
     return ids
 
 
-def text_config(target_config):
-    """The text config of a multimodal target, else the config itself."""
-    return getattr(target_config, "text_config", None) or target_config
-
-
 def capture_layer_ids(target_config, num_features: int = DEFAULT_NUM_FEATURES, override=None) -> list[int]:
-    """The layers a capture stores: `override` if given, else the reference formula for this target."""
+    """The layers a capture stores (`drafter.layer_ids`, `drafter.num_features`): `override` if given, else the
+    reference formula for this target."""
     n = text_config(target_config).num_hidden_layers
     return check_layer_ids(override if override else default_layer_ids(n, num_features), n)
 
@@ -64,9 +64,21 @@ class DraftSpec:
 
     target_layer_ids: tuple[int, ...]
     mask_token_id: int
-    block_size: int = 16
-    num_draft_layers: int = 5
+    block_size: int = 16  # the paper's
+    num_draft_layers: int = 5  # the paper's
     intermediate_size: int | None = None  # None: the target's
+
+    @classmethod
+    def from_settings(cls, drafter, target_layer_ids, mask_token_id: int) -> DraftSpec:
+        """The spec the `drafter` settings (flashdraft.config.DrafterConfig: block size, depth, MLP width) ask for,
+        reading `target_layer_ids` with mask token `mask_token_id`."""
+        return cls(
+            target_layer_ids=tuple(target_layer_ids),
+            mask_token_id=int(mask_token_id),
+            block_size=int(drafter.block_size),
+            num_draft_layers=int(drafter.num_layers),
+            intermediate_size=drafter.intermediate_size,
+        )
 
     def __post_init__(self):
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))

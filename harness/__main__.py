@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -24,21 +24,22 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from flashdraft.config import EvalConfig, as_settings, register_configs, thinking_setting
+from entry import register_configs, typed_config
+from flashdraft.config import Config, EvalConfig, thinking_setting
 from flashdraft.store import StoreReader, is_store
 from flashdraft.target import (
     exact_gemm_rows,
     frozen_head_from_model,
     load_target,
     make_verification_exact,
-    needs_exact_verification,
     resolve_dtype,
+    resolve_exact,
     stop_token_ids,
     target_fingerprint,
 )
 from flashdraft.vocab import frequent_tokens
 from harness.datastore import Datastore
-from harness.drafter import DrafterProposer, load_drafter
+from harness.drafter import DrafterProposer, load_drafter, loop_block_size
 from harness.evaluate import (
     UNTRAINED_WARNING,
     build_prompts,
@@ -48,18 +49,13 @@ from harness.evaluate import (
     next_turn,
     thinking_modes,
 )
-from harness.methods import DRAFTER_METHODS, DecodeSettings, build_policies
+from harness.methods import CHAIN, DRAFTER_METHODS, METHODS, TREE, DecodeSettings, build_policies, methods_asked
 from harness.pictures import acceptance_lengths_by_source, plot_acceptance, plot_training
 from harness.policies import ChainPolicy, TreePolicy
 from harness.replay import replay_tau
 from harness.report import TIMING_NOTE, console_summary, write_report
 from harness.summary import summarize
 from harness.training_log import read_metrics, train_serve_parity
-
-
-def eval_config(node) -> EvalConfig:
-    """The eval group (composed, or a plain mapping) as an EvalConfig; unknown keys are refused by name."""
-    return as_settings(node, EvalConfig, "eval")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -83,19 +79,32 @@ class Bench:
     facts: dict | None = None  # what the build found, for the report: drafter, datastore, draft vocabulary
 
 
-def load_targets(model, config: EvalConfig, device, trust_remote_code: bool):
-    """(the target, made exact where the device needs it; its tokenizer; the target as loaded, for plain_as_loaded,
-    or None)."""
+def load_targets(model, config: EvalConfig, device, trust_remote_code: bool, exact: bool):
+    """(the target, made exact where `exact`; its tokenizer; the target as loaded, for plain_as_loaded, or None)."""
     dtype = resolve_dtype(model.dtype, device)
     target, tokenizer = load_target(model.target, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     loaded_target = None
-    if needs_exact_verification(dtype, device):
-        if "plain_as_loaded" in config.methods:  # a second copy, left as loaded: plain decoding as a user runs it
+    if exact:
+        if any(METHODS[m].as_loaded for m in config.methods):  # a second copy, left as loaded, as a user runs it
             loaded_target = load_target(model.target, dtype=dtype, device=device, trust_remote_code=trust_remote_code)[
                 0
             ]
         make_verification_exact(target)
     return target, tokenizer, loaded_target
+
+
+def exact_mode(cfg: Config, config: EvalConfig) -> tuple[EvalConfig, dict]:
+    """(the eval config as it runs, the report's `exact` entry): eval.exact resolved for this device and dtype; with
+    exact verification off, plain already runs the target as loaded, so plain_as_loaded is left out."""
+    device = resolve_device(cfg.device)
+    exact, why = resolve_exact(
+        config.exact, resolve_dtype(cfg.model.dtype, device), device, greedy=config.temperature == 0
+    )
+    loaded = [m for m in config.methods if METHODS[m].as_loaded]
+    if not exact and loaded:
+        print(f"exact verification off: {', '.join(loaded)} left out (plain runs the target as loaded already)")
+        config = replace(config, methods=[m for m in config.methods if m not in loaded])
+    return config, {"setting": config.exact, "on": exact, "why": why}
 
 
 def with_draft_vocab(proposer, config: EvalConfig, prompts, vocab_size: int):
@@ -124,8 +133,8 @@ def with_draft_vocab(proposer, config: EvalConfig, prompts, vocab_size: int):
 
 
 def load_datastore(config: EvalConfig, prompts):
-    """(datastore, report entry) for dflash_datastore (greedy only), or (None, None)."""
-    if "dflash_datastore" not in config.methods or config.temperature > 0:
+    """(datastore, report entry) for the methods that need one (greedy only), or (None, None)."""
+    if not any(METHODS[m].datastore for m in config.methods) or config.temperature > 0:
         return None, None
     datastore = Datastore.from_store(
         config.datastore,
@@ -149,22 +158,19 @@ def load_datastore(config: EvalConfig, prompts):
     return datastore, info
 
 
-def build(cfg: DictConfig, config: EvalConfig) -> Bench:
+def build(cfg: Config, exact: dict) -> Bench:
     """Target, drafter, prompts, draft vocabulary, datastore, and the policies of the methods asked for."""
+    config = cfg.eval
     device = resolve_device(cfg.device)
-    target, tokenizer, loaded_target = load_targets(cfg.model, config, device, cfg.trust_remote_code)
+    target, tokenizer, loaded_target = load_targets(cfg.model, config, device, cfg.trust_remote_code, exact=exact["on"])
     proposer, untrained, block_size, drafter_name = None, False, 1, None
     if any(m in DRAFTER_METHODS for m in config.methods):
         drafter, untrained = load_drafter(
-            config.drafter,
-            target,
-            tokenizer,
-            allow_untrained=config.allow_untrained,
-            block_size=config.block_size,
-            seed=cfg.seed,
+            config.drafter, target, tokenizer, cfg.drafter, allow_untrained=config.allow_untrained, seed=cfg.seed
         )
         proposer = DrafterProposer(drafter, frozen_head_from_model(target))
-        block_size = config.block_size or drafter.block_size
+        where = "the untrained drafter (drafter.block_size)" if untrained else f"the drafter at {config.drafter}"
+        block_size = loop_block_size(config.block_size, drafter, where)
         drafter_name = "UNTRAINED (random init)" if untrained else str(config.drafter)
         if untrained:
             print(f"\n{'!' * 100}\n!!! {UNTRAINED_WARNING}\n{'!' * 100}\n", file=sys.stderr, flush=True)
@@ -190,6 +196,7 @@ def build(cfg: DictConfig, config: EvalConfig) -> Bench:
         "drafter_layer_ids": proposer and proposer.layer_ids,
         "datastore": datastore_info,
         "draft_vocab": vocab_info,
+        "exact": exact,
     }
     policies = build_policies(config.methods, settings, proposer, datastore)
     return Bench(target, tokenizer, prompts, settings, policies, proposer, untrained, loaded_target, facts)
@@ -289,7 +296,7 @@ def replay(bench: Bench, config: EvalConfig) -> dict | None:
         return None
     seq_ids = list(dict.fromkeys(p.seq_id for p in bench.prompts))  # a record evaluated in two modes: once
     result = replay_tau(ChainPolicy(proposer, cutoff=s.draft_cutoff), store, seq_ids, max_new_tokens=s.max_new_tokens)
-    if "dflash_tree" in bench.policies and result:
+    if TREE in bench.policies and result:
         tree = replay_tau(
             TreePolicy(proposer, s.tree_size, s.tree_branching), store, seq_ids, max_new_tokens=s.max_new_tokens
         )
@@ -303,7 +310,7 @@ def add_pictures_and_parity(
     """Draws acceptance.png and training.png into out_dir, and sets report["pictures"] (their names, for
     report.md) and report["train_serve_parity"] (None without trainer metrics or a trained drafter)."""
     settings = report["settings"]
-    served_tau = None if settings["untrained_drafter"] else report["methods"].get("dflash", {}).get("tau")
+    served_tau = None if settings["untrained_drafter"] else report["methods"].get(CHAIN, {}).get("tau")
     rows = read_metrics(metrics_path) if metrics_path else None
     pictures = {}
     for name in ("acceptance", "training"):
@@ -324,7 +331,7 @@ def add_pictures_and_parity(
         parity["metrics"] = str(metrics_path)
         if (replayed or {}).get("tree_tau"):  # the tree method: its replay next to its served tau
             parity["replay_tree_tau"] = replayed["tree_tau"]
-            parity["served_tree_tau"] = report["methods"]["dflash_tree"]["tau"]
+            parity["served_tree_tau"] = report["methods"][TREE]["tau"]
     report["pictures"], report["train_serve_parity"] = pictures, parity
 
 
@@ -347,7 +354,11 @@ def make_report(bench: Bench, config: EvalConfig, records: list[dict], run_facts
     report = {
         "settings": settings,
         "methods": summarize(
-            records, config.methods, greedy=config.temperature == 0, block_size=bench.settings.block_size
+            records,
+            config.methods,
+            greedy=config.temperature == 0,
+            block_size=bench.settings.block_size,
+            exact=bench.facts["exact"]["on"],
         ),
         "prompts": [
             {
@@ -366,12 +377,16 @@ def make_report(bench: Bench, config: EvalConfig, records: list[dict], run_facts
     return report
 
 
-def run(cfg: DictConfig) -> dict:
+def run(cfg: Config) -> dict:
     """Build (target, drafter, prompts, policies) -> evaluate every method -> report (json, markdown, pictures)."""
-    config = eval_config(cfg.eval)
+    cfg = replace(cfg, eval=replace(cfg.eval, methods=methods_asked(cfg.eval.methods)))
+    eval_settings, exact = exact_mode(cfg, cfg.eval)
+    cfg = replace(cfg, eval=eval_settings)
+    config = cfg.eval
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    bench = build(cfg, config)
+    print(f"exact verification: {'on' if exact['on'] else 'off'} ({exact['why']})")
+    bench = build(cfg, exact)
     records, run_facts = measure(bench, config, cfg.model.target)
     report = make_report(bench, config, records, run_facts)
     out_dir = Path(config.out_dir)
@@ -387,7 +402,7 @@ register_configs()
 
 @hydra.main(config_path="../conf", config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
-    run(cfg)
+    run(typed_config(cfg))  # once, here: the harness gets typed settings
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The drafter as the harness uses it: loaded from its checkpoint (or an untrained one, when allowed) and run as a
 proposer, the target's frozen embedding and output head around it. Its geometry (block size, mask token, the target
-layers it reads) comes from the drafter alone (`DFlashDrafter.spec`)."""
+layers it reads) comes from the drafter alone (`DFlashDrafter.spec`); an untrained one's is made as the trainer makes
+a trained one's (`DraftSpec.from_settings`, from the `drafter` settings)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,14 @@ import torch
 import torch.nn.functional as F
 
 from flashdraft.model import DFlashDrafter
-from flashdraft.spec import DraftSpec, capture_layer_ids, text_config
-from flashdraft.target import choose_mask_token
+from flashdraft.spec import DraftSpec, capture_layer_ids
+from flashdraft.target import choose_mask_token, family_of, text_config
 
 
-def load_drafter(
-    path, target, tokenizer, *, allow_untrained=False, block_size=None, seed=0
-) -> tuple[DFlashDrafter, bool]:
+def load_drafter(path, target, tokenizer, geometry, *, allow_untrained=False, seed=0) -> tuple[DFlashDrafter, bool]:
     """(drafter, untrained): the checkpoint at `path`, checked against the target, or, when allowed and there is
-    none, a random one of the default geometry (`block_size`: None for DraftSpec's default)."""
+    none, a random one of the `geometry` settings (flashdraft.config.DrafterConfig) reading the layers a capture
+    with those settings stores."""
     dtype, device = target.dtype, target.device
     if path and (Path(path) / "config.json").is_file():
         drafter = DFlashDrafter.from_pretrained(path, dtype=dtype, device=device)
@@ -30,9 +30,9 @@ def load_drafter(
             "eval.allow_untrained=true measures an untrained random drafter instead"
         )
     torch.manual_seed(seed)
-    mask_token_id = choose_mask_token(tokenizer, target.config.vocab_size)
-    geometry = {} if block_size is None else {"block_size": block_size}
-    spec = DraftSpec(capture_layer_ids(target.config), mask_token_id, **geometry)
+    mask_token_id = choose_mask_token(tokenizer, target.config.vocab_size, family=family_of(target.config))
+    layer_ids = capture_layer_ids(target.config, geometry.num_features, geometry.layer_ids)
+    spec = DraftSpec.from_settings(geometry, layer_ids, mask_token_id)
     return DFlashDrafter(spec.draft_config(target.config)).to(device=device, dtype=dtype).eval().requires_grad_(
         False
     ), True
@@ -51,6 +51,19 @@ def check_drafter_fits(drafter, target, path) -> None:
         problems.append(f"target_layer_ids {bad} outside the target's {tc.num_hidden_layers} layers")
     if problems:
         raise ValueError(f"drafter {path} does not fit the target: " + "; ".join(problems))
+
+
+def loop_block_size(asked: int | None, drafter, where: str) -> int:
+    """The block the harness loop runs: `asked` (eval.block_size), else the drafter's; refused, naming `where`, above
+    the drafter's block (positions it was never trained to draft) or below 1."""
+    if asked is None:
+        return drafter.block_size
+    if not 1 <= asked <= drafter.block_size:
+        raise ValueError(
+            f"eval.block_size {asked} does not fit {where}, whose block is {drafter.block_size}: give 1 to "
+            f"{drafter.block_size}, or null for the drafter's own"
+        )
+    return asked
 
 
 class DrafterProposer:

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from flashdraft.prompts import load_prompts
 from flashdraft.target import chat_input_ids
-from harness.methods import DecodeSettings, run_method
+from harness.methods import PLAIN, DecodeSettings, run_method
 from harness.speculative import Generation
 
 UNTRAINED_WARNING = (
@@ -65,7 +65,7 @@ def prompt_key(seq_id: str, thinking: bool | None) -> str:
 
 
 def thinking_modes(setting: str | None, chat_default: bool | None) -> list[bool | None]:
-    """The enable_thinking values eval.thinking asks for (None: the model's chat default, as before the setting)."""
+    """The enable_thinking values eval.thinking asks for (None: the model's chat default)."""
     return {None: [chat_default], "on": [True], "off": [False], "both": [True, False]}[setting]
 
 
@@ -186,7 +186,7 @@ def evaluate(
     done = done or {}
     if any(method not in record["methods"] for record in done.values() for method in policies):
         raise ValueError("finished records lack some of the methods asked for; their run_key must cover the methods")
-    history = "plain" if "plain" in policies else next(iter(policies))  # whose answer the next turn continues
+    history = PLAIN if PLAIN in policies else next(iter(policies))  # whose answer the next turn continues
 
     def run(method, prompt, settings, seed=0):
         return run_method(

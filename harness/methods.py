@@ -1,14 +1,7 @@
-"""The methods an eval compares, by name: each is a draft policy for the harness loop (`harness.policies`) built
-from the decode settings, except prompt_lookup, the transformers baseline (`harness.baselines`).
-
-  plain            the loop without drafts: KV cache, one target forward per token
-  plain_as_loaded  the same on the target as loaded, without the exact verification the harness gives it on CPU
-                   (unpadded GEMMs, SDPA): the plain decoding a user runs; every method's `speedup_vs_loaded` is over it
-  prompt_lookup    transformers generate(prompt_lookup_num_tokens=...), the free baseline
-  dflash           the drafter's block verified as one chain (the reference), optionally its confident prefix
-  dflash_tree      a tree of the draft's most probable candidates verified a round (greedy only)
-  dflash_lookup    a lookup draft where the newest `lookup_ngram` tokens occurred before, else dflash_tree
-  dflash_datastore a lookup draft, else the training responses' continuation (`harness.datastore`), else dflash_tree
+"""The methods an eval compares, by name, in one table (`METHODS`): each is a draft policy for the harness loop
+(`harness.policies`) built from the decode settings, except prompt_lookup, the transformers baseline
+(`harness.baselines`), and carries what the report and the pictures say of it. A new draft policy is a class in
+harness/policies.py and an entry here; nothing else names a method.
 """
 
 from __future__ import annotations
@@ -21,7 +14,8 @@ import torch
 from flashdraft.config import EvalConfig
 from harness.acceptance import Sampling
 from harness.baselines import prompt_lookup_generate
-from harness.policies import PLAIN, ChainPolicy, DatastorePolicy, LookupPolicy, TreePolicy
+from harness.policies import PLAIN as PLAIN_POLICY
+from harness.policies import ChainPolicy, DatastorePolicy, LookupPolicy, TreePolicy
 from harness.speculative import Generation, speculative_generate
 
 
@@ -73,32 +67,122 @@ def _lookup_datastore_tree(s: DecodeSettings, proposer, datastore):
     return _lookup(s, DatastorePolicy(datastore, s.prompt_lookup_num_tokens, _tree(s, proposer, datastore)))
 
 
+def _chain_words(s: dict, d: dict) -> list[str]:
+    cutoff = s.get("draft_cutoff")
+    return (
+        [f"drafts verified while their cumulative confidence is at least eval.draft_cutoff {cutoff}"] if cutoff else []
+    )
+
+
+def _tree_words(s: dict, d: dict) -> list[str]:
+    return [f"tree of {s['tree_size']} candidates, {s['tree_branching']} a position"]
+
+
+def _lookup_words(s: dict, d: dict) -> list[str]:
+    return [
+        *_tree_words(s, d),
+        f"lookup rounds where the newest {s.get('lookup_ngram')} tokens occurred before: "
+        f"{d.get('lookup_rounds', 0) - d.get('datastore_rounds', 0)} of {d['rounds']}",
+    ]
+
+
+def _datastore_words(s: dict, d: dict) -> list[str]:
+    store = s.get("datastore")
+    if not store:
+        return _lookup_words(s, d)
+    return [
+        *_lookup_words(s, d),
+        f"datastore rounds, the continuation of the newest {s.get('datastore_ngram')} (down to "
+        f"{s.get('datastore_min_ngram')}) tokens seen at least {s.get('datastore_min_count')} times in "
+        f"{store['sequences']:,} training responses: {d.get('datastore_rounds', 0)} of {d['rounds']}",
+    ]
+
+
+def _no_words(s: dict, d: dict) -> list[str]:
+    return []
+
+
+def _plain(s: DecodeSettings, proposer, datastore):
+    return PLAIN_POLICY
+
+
 @dataclass(frozen=True)
 class Method:
     policy: Callable | None  # (settings, proposer, datastore) -> a draft policy; None: the transformers baseline
-    drafter: bool = False  # drafts with the drafter
-    as_loaded: bool = False  # runs on the target as loaded, not on the exact one
+    label: str  # what it is, in a line: the report lists every method run with it
+    colour: str | None = None  # its bars in acceptance.png (None: not drawn)
+    drafter: bool = False  # drafts with the drafter: the report gives its rounds (histogram, round time)
+    # the report's words on its rounds, from the eval settings and its summary (`harness.summary.method_summary`)
+    rounds_words: Callable[[dict, dict], list[str]] = _no_words
+    counts: tuple[str, ...] = ()  # counters of its rounds in runs.jsonl that its summary sums
+    datastore: bool = False  # needs the datastore (eval.datastore; built for it alone)
+    as_loaded: bool = False  # runs on the target as loaded (a second copy), not on the exact one
+    speedup_key: str | None = None  # a baseline: the summary key of every method's speedup over it
 
+
+PLAIN = "plain"  # the reference: every other method's output is compared with its, and multi-turn history is its
+CHAIN, TREE = "dflash", "dflash_tree"  # the drafter's chain and tree: the served-order replay of train/serve parity
 
 METHODS = {
-    "plain": Method(lambda s, proposer, datastore: PLAIN),
-    "plain_as_loaded": Method(lambda s, proposer, datastore: PLAIN, as_loaded=True),
-    "prompt_lookup": Method(None),
-    "dflash": Method(_chain, drafter=True),
-    "dflash_tree": Method(_tree, drafter=True),
-    "dflash_lookup": Method(_lookup_tree, drafter=True),
-    "dflash_datastore": Method(_lookup_datastore_tree, drafter=True),
+    PLAIN: Method(_plain, "the loop without drafts: KV cache, one target forward a token", speedup_key="speedup"),
+    "plain_as_loaded": Method(
+        _plain,
+        "the same on a copy of the target as loaded, beside the exact one (eval.exact on; unpadded GEMMs, SDPA): the "
+        "plain decoding a user runs; its speedup over plain is what exactness costs",
+        as_loaded=True,
+    ),
+    "prompt_lookup": Method(None, "transformers generate(prompt_lookup_num_tokens=...), the free baseline", "#9ec3ea"),
+    CHAIN: Method(
+        _chain,
+        "the drafter's block verified as one chain (the reference), optionally its confident prefix",
+        "#1f4e9c",
+        drafter=True,
+        rounds_words=_chain_words,
+    ),
+    TREE: Method(
+        _tree,
+        "a tree of the draft's most probable candidates verified a round (greedy only)",
+        "#5f3dc4",
+        drafter=True,
+        rounds_words=_tree_words,
+    ),
+    "dflash_lookup": Method(
+        _lookup_tree,
+        "a lookup draft where the newest `lookup_ngram` tokens occurred before, else dflash_tree",
+        "#2b8a3e",
+        drafter=True,
+        rounds_words=_lookup_words,
+        counts=("lookup_rounds",),
+    ),
+    "dflash_datastore": Method(
+        _lookup_datastore_tree,
+        "a lookup draft, else the training responses' continuation (`harness.datastore`), else dflash_tree",
+        "#e67700",
+        drafter=True,
+        rounds_words=_datastore_words,
+        counts=("lookup_rounds", "datastore_rounds"),
+        datastore=True,
+    ),
 }
 DRAFTER_METHODS = tuple(name for name, method in METHODS.items() if method.drafter)
-LOOKUP_METHODS = ("dflash_lookup", "dflash_datastore")  # their reports count lookup rounds
+# acceptance.png's bars: the drafter's methods, then the baselines they are compared with
+DRAWN_METHODS = tuple(sorted((n for n, m in METHODS.items() if m.colour), key=lambda n: not METHODS[n].drafter))
+
+
+def methods_asked(methods: list[str] | None) -> list[str]:
+    """eval.methods as a list of known names (None: every method of the table); an unknown one is refused by name."""
+    if methods is None:
+        return list(METHODS)
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown methods {unknown} in eval.methods; known: {', '.join(METHODS)}")
+    return list(methods)
 
 
 def build_policies(methods, settings: DecodeSettings, proposer=None, datastore=None) -> dict:
     """{method: its draft policy (None: the baseline)}, refusing unknown methods, drafter methods without a drafter
     and greedy-only ones when sampling."""
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise ValueError(f"unknown methods {unknown}; known: {', '.join(METHODS)}")
+    methods = methods_asked(methods)
     policies = {}
     for name in methods:
         method = METHODS[name]

@@ -14,19 +14,12 @@ import numpy as np
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-METHOD_COLOURS = {
-    "dflash": "#1f4e9c",
-    "dflash_tree": "#5f3dc4",
-    "dflash_lookup": "#2b8a3e",
-    "dflash_datastore": "#e67700",
-    "prompt_lookup": "#9ec3ea",
-}  # prompt lookup lighter: the comparison
+from harness.methods import DRAWN_METHODS, METHODS
+
 TRAIN_COLOUR, EVAL_COLOUR, SERVED_COLOUR = "#1f4e9c", "#d9480f", "#2b8a3e"
 
 
-def acceptance_lengths_by_source(
-    records, methods=("dflash", "dflash_tree", "dflash_lookup", "dflash_datastore", "prompt_lookup")
-) -> dict[str, dict[str, list[int]]]:
+def acceptance_lengths_by_source(records, methods=DRAWN_METHODS) -> dict[str, dict[str, list[int]]]:
     """{source: {method: acceptance lengths of every round of every prompt}} from evaluate()'s records
     (or the lines of runs.jsonl)."""
     out: dict[str, dict[str, list[int]]] = {}
@@ -51,7 +44,7 @@ def _save(fig: Figure, path) -> Path:
 
 def plot_acceptance(lengths_by_source: dict[str, dict[str, list[int]]], block_size: int, path) -> Path | None:
     """One panel per prompt set: fraction of rounds committing 1..block_size tokens (further if a method's rounds
-    are longer), a bar per method (DFlash dark, prompt lookup light), tau per method in the legend. None when
+    are longer), a bar per method in its colour (`harness.methods.METHODS`), tau per method in the legend. None when
     there are no rounds to draw."""
     panels = {s: {m: v for m, v in per.items() if v} for s, per in lengths_by_source.items()}
     panels = {s: per for s, per in panels.items() if per}
@@ -74,7 +67,7 @@ def plot_acceptance(lengths_by_source: dict[str, dict[str, list[int]]], block_si
                 x + (i - (len(per_method) - 1) / 2) * width,
                 fractions,
                 width,
-                color=METHOD_COLOURS.get(method),
+                color=METHODS[method].colour if method in METHODS else None,
                 label=f"{method}: tau {tau:.2f}, {len(lengths)} rounds",
             )
         ax.set_title(source)

@@ -6,21 +6,23 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from harness.methods import DRAFTER_METHODS, LOOKUP_METHODS
+from harness.methods import DRAFTER_METHODS, METHODS
 from harness.training_log import PARITY_TOLERANCE, parity_line
 
 TIMING_NOTE = (
     "Decode time excludes the prefill (the prompt forward that emits the first token; for prompt lookup, "
     "generate's first forward, which also verifies its first candidates) for every method. tau = tokens "
     "committed per target forward after the prefill. speedup = decode tokens/s over plain decoding's on the "
-    "same prompts (with greedy, identical outputs: plain decode wall time / method decode wall time). "
+    "same prompts, both on the same target (with greedy, identical outputs: plain decode wall time / method decode "
+    "wall time). "
     "plain and the dflash methods run the same harness loop (plain = block size 1, no drafter); prompt lookup runs "
-    "transformers generate. Every method but plain_as_loaded runs the target with exact verification on CPU (GEMMs "
-    "on tiles of at most 16 rows, a shorter tile zero-padded to the fewest rows whose kernel every longer tile shares, "
-    "probed per shape at load: 'GEMM rows' above; attention a row at a time), whose greedy output speculative decoding "
-    "reproduces bit for bit; "
-    "plain_as_loaded decodes the target as loaded (plain GEMMs and SDPA), and 'vs as loaded' is speedup over it "
-    "(its 'lossless' says whether its tokens equal the exact target's)."
+    "transformers generate. With exact verification on ('exact verification' above; eval.exact) every method but "
+    "plain_as_loaded runs the target made exact (GEMMs on tiles of at most 16 rows, a shorter tile zero-padded to the "
+    "fewest rows whose kernel every longer tile shares, probed per shape at load: 'GEMM rows' above; attention a row "
+    "at a time), whose greedy output speculative decoding reproduces bit for bit; plain_as_loaded decodes a copy of "
+    "the target as loaded (plain GEMMs and SDPA): its speedup is what exactness costs plain decoding, and its "
+    "'lossless' says whether its tokens equal the exact target's. With it off every method runs the target as loaded, "
+    "the speed a user gets, and greedy outputs are compared with plain decoding's as information (agreement)."
 )
 
 
@@ -33,20 +35,50 @@ def _fmt(value, spec=".2f", unit="") -> str:
 
 
 def methods_table(methods: dict) -> str:
-    loaded = any("speedup_vs_loaded" in m for m in methods.values())
-    extra = " vs as loaded |" if loaded else ""
     lines = [
-        f"| method | tau | tokens/s | speedup |{extra} lossless | decode tokens | decode s |",
-        "|---|---|---|---|" + "---|" * (3 + loaded),
+        "| method | tau | tokens/s | speedup | lossless | decode tokens | decode s |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, m in methods.items():
-        vs_loaded = f" {_fmt(m.get('speedup_vs_loaded'), unit='x')} |" if loaded else ""
         lines.append(
             f"| {name} | {_fmt(m['tau'])} | {_fmt(m['tokens_per_s'])} | {_fmt(m['speedup'], unit='x')} |"
-            f"{vs_loaded} {_fmt(m['lossless'])} "
+            f" {_fmt(m['lossless'])} "
             f"| {m['decode_tokens']} | {_fmt(m['decode_s'])} |"
         )
     return "\n".join(lines)
+
+
+def exact_line(exact: dict | None) -> list[str]:
+    """The report's line saying which verification ran (eval.exact)."""
+    if not exact:
+        return []
+    if exact["on"]:
+        return [f"- exact verification: on ({exact['why']}); greedy outputs must equal plain decoding's (lossless)"]
+    return [
+        f"- exact verification: off ({exact['why']}): every method runs the target as loaded; greedy outputs are "
+        "compared with plain decoding's as information (agreement below), not held to them"
+    ]
+
+
+def agreement_section(methods: dict) -> list[str]:
+    """Without exact verification: per method, on how many prompts its greedy output equals plain decoding's, and
+    after how many tokens the others part (a near-tie the target's kernels break differently by row count)."""
+    rows = [
+        f"| {name} | {a['identical_prompts']} of {a['prompts']} | "
+        f"{', '.join(map(str, a['tokens_before_first_difference'])) or '-'} |"
+        for name, m in methods.items()
+        if name != "plain" and (a := m.get("agreement"))
+    ]
+    if not rows:
+        return []
+    return [
+        "## Agreement with plain decoding (as loaded, information)",
+        "",
+        "| method | identical outputs | tokens before the first difference, per other prompt |",
+        "|---|---|---|",
+        *rows,
+        "",
+    ]
 
 
 def breakdown_table(methods: dict) -> str:
@@ -79,6 +111,7 @@ def render_markdown(report: dict) -> str:
         f"- device {s['device']} ({s['dtype']}, {s.get('attention', 'sdpa')} attention), "
         f"torch {s['torch']}, transformers {s['transformers']}, "
         f"{s['torch_threads']} threads, {s['date']}",
+        *exact_line(s.get("exact")),
         *(
             [
                 "- exact verification, GEMM rows (a shorter tile padded to): "
@@ -98,6 +131,7 @@ def render_markdown(report: dict) -> str:
             f"Resumed: {s['resumed_prompts']} prompt turns were measured by an interrupted run with the same settings.",
             "",
         ]
+    out += ["Methods:", "", *(f"- {name}: {METHODS[name].label}" for name in methods), ""]
     out += ["## tau per prompt set and turn", "", breakdown_table(methods), ""]
     sources = list(next(iter(methods.values()))["by_source"])
     for source in sources:
@@ -109,14 +143,16 @@ def render_markdown(report: dict) -> str:
     bad = {
         name: m.get("mismatched_prompts")
         for name, m in methods.items()
-        if m.get("lossless") is False and name != "plain_as_loaded"
+        if m.get("lossless") is False and not METHODS[name].as_loaded
     }
+    if not (s.get("exact") or {"on": True})["on"]:
+        out += agreement_section(methods)
     if bad:
         out += ["## NOT LOSSLESS", "", *[f"- {name}: {', '.join(p)}" for name, p in bad.items()], ""]
-    if methods.get("plain_as_loaded", {}).get("lossless") is False:
+    for name in (n for n, m in methods.items() if METHODS[n].as_loaded and m.get("lossless") is False):
         out += [
-            "Plain decoding of the target as loaded left the exact target's greedy output on "
-            f"{', '.join(methods['plain_as_loaded']['mismatched_prompts'])} (last-bit differences at a near-tie; the "
+            f"{name}, the target as loaded, left the exact target's greedy output on "
+            f"{', '.join(methods[name]['mismatched_prompts'])} (last-bit differences at a near-tie; the "
             "speculative methods are compared with the exact target's plain decoding).",
             "",
         ]
@@ -127,21 +163,8 @@ def _rounds_section(method: str, d: dict, s: dict) -> list[str]:
     """A drafter method's acceptance histogram and round-time split (`d`: its summary, `s`: the settings)."""
     hist = d["acceptance_histogram"]
     total = max(sum(hist.values()), 1)
-    parts = [f"tree of {s['tree_size']} candidates, {s['tree_branching']} a position"] if method != "dflash" else []
-    if method in LOOKUP_METHODS:
-        parts.append(
-            f"lookup rounds where the newest {s.get('lookup_ngram')} tokens occurred before: "
-            f"{d.get('lookup_rounds', 0) - d.get('datastore_rounds', 0)} of {d['rounds']}"
-        )
-    if method == "dflash_datastore" and (store := s.get("datastore")):
-        parts.append(
-            f"datastore rounds, the continuation of the newest {s.get('datastore_ngram')} (down to "
-            f"{s.get('datastore_min_ngram')}) tokens seen at least "
-            f"{s.get('datastore_min_count')} times in {store['sequences']:,} training responses: "
-            f"{d.get('datastore_rounds', 0)} of {d['rounds']}"
-        )
+    parts = METHODS[method].rounds_words(s, d)
     tree = f" ({'; '.join(parts)})" if parts else ""
-    cutoff = s.get("draft_cutoff") if method == "dflash" else None
     return [
         f"## {method} rounds{tree}",
         "",
@@ -154,8 +177,7 @@ def _rounds_section(method: str, d: dict, s: dict) -> list[str]:
         "Mean round time: "
         + ", ".join(f"{k} {v:.2f} ms" for k, v in d["round_ms"].items())
         + f" (total {sum(d['round_ms'].values()):.2f} ms over {d['rounds']} rounds)"
-        + (f"; drafts verified per round {d['verified_drafts']:.2f}" if d.get("verified_drafts") is not None else "")
-        + (f" (eval.draft_cutoff {cutoff})" if cutoff else ""),
+        + (f"; drafts verified per round {d['verified_drafts']:.2f}" if d.get("verified_drafts") is not None else ""),
         "",
     ]
 
@@ -220,7 +242,11 @@ def thinking_tau_line(methods: dict) -> str | None:
 def console_summary(report: dict) -> str:
     """What `python -m harness` prints: the methods table, each drafter method's rounds, train/serve parity."""
     untrained = "\n!!! " + report["warning"] + "\n" if report.get("warning") else ""
-    lines = [untrained + "\n" + methods_table(report["methods"]), breakdown_table(report["methods"])]
+    exact = exact_line(report["settings"].get("exact"))
+    lines = [
+        untrained + "\n" + "\n".join([*exact, methods_table(report["methods"])]),
+        breakdown_table(report["methods"]),
+    ]
     if by_mode := thinking_tau_line(report["methods"]):
         lines.append(by_mode)
     for method in (m for m in DRAFTER_METHODS if m in report["methods"]):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from harness.methods import DRAFTER_METHODS, LOOKUP_METHODS
+from harness.methods import METHODS, PLAIN
 
 
 def _decode_throughput(records, method) -> tuple[int, float]:
@@ -14,7 +14,16 @@ def _decode_throughput(records, method) -> tuple[int, float]:
     return sum(sum(run["acceptance_lengths"]) for run in runs), sum(run["decode_s"] for run in runs)
 
 
-def method_summary(records, method, *, greedy: bool, block_size: int | None = None) -> dict:
+def first_difference(tokens: list[int], plain: list[int]) -> int | None:
+    """The tokens a method's output shares with plain decoding's before they first differ (None: identical)."""
+    if tokens == plain:
+        return None
+    return next((i for i, (a, b) in enumerate(zip(tokens, plain)) if a != b), min(len(tokens), len(plain)))
+
+
+def method_summary(records, method, *, greedy: bool, block_size: int | None = None, exact: bool = True) -> dict:
+    """`exact`: whether the target ran with exact verification; without it, greedy outputs that part from plain
+    decoding's are information (`agreement`), not a lossless failure (`lossless` None)."""
     runs = [r["methods"][method] for r in records]
     rounds = [a for run in runs for a in run["acceptance_lengths"]]
     decode_tokens, decode_s = _decode_throughput(records, method)
@@ -30,16 +39,23 @@ def method_summary(records, method, *, greedy: bool, block_size: int | None = No
         "speedup": None,
         "lossless": None,
     }
-    for baseline, key in (("plain", "speedup"), ("plain_as_loaded", "speedup_vs_loaded")):
+    for baseline, key in ((name, m.speedup_key) for name, m in METHODS.items() if m.speedup_key):
         if baseline in records[0]["methods"]:
             tokens, seconds = _decode_throughput(records, baseline)
             if summary["tokens_per_s"] and tokens and seconds > 0:
                 summary[key] = summary["tokens_per_s"] / (tokens / seconds)
-    if "plain" in records[0]["methods"] and greedy:
-        same = [r["methods"][method]["tokens"] == r["methods"]["plain"]["tokens"] for r in records]
-        summary["lossless"] = all(same)
-        summary["mismatched_prompts"] = [f"{r['source']}/{r['record_id']}" for r, ok in zip(records, same) if not ok]
-    if method in DRAFTER_METHODS:
+    if PLAIN in records[0]["methods"] and greedy:
+        parted = [first_difference(r["methods"][method]["tokens"], r["methods"][PLAIN]["tokens"]) for r in records]
+        summary["lossless"] = all(at is None for at in parted) if exact else None
+        summary["mismatched_prompts"] = [
+            f"{r['source']}/{r['record_id']}" for r, at in zip(records, parted) if at is not None
+        ]
+        summary["agreement"] = {
+            "identical_prompts": sum(at is None for at in parted),
+            "prompts": len(parted),
+            "tokens_before_first_difference": [at for at in parted if at is not None],
+        }
+    if METHODS[method].drafter:
         counts = Counter(rounds)
         longest = max(block_size or 1, max(rounds, default=1))  # a lookup round can commit more than a block
         summary["acceptance_histogram"] = {str(k): counts.get(k, 0) for k in range(1, longest + 1)}
@@ -49,10 +65,8 @@ def method_summary(records, method, *, greedy: bool, block_size: int | None = No
         summary["round_ms"] = {
             part: 1000 * sum(run[f"{part}_s"] for run in runs) / n for part in ("draft", "verify", "bookkeeping")
         }
-        if method in LOOKUP_METHODS:
-            summary["lookup_rounds"] = sum(run.get("lookup_rounds", 0) for run in runs)
-        if method == "dflash_datastore":
-            summary["datastore_rounds"] = sum(run.get("datastore_rounds", 0) for run in runs)
+        for count in METHODS[method].counts:
+            summary[count] = sum(run.get(count, 0) for run in runs)
     return summary
 
 
@@ -62,7 +76,7 @@ def thinking_name(record) -> str | None:
     return None if mode is None else ("on" if mode else "off")
 
 
-def summarize(records, methods, *, greedy: bool, block_size: int | None) -> dict:
+def summarize(records, methods, *, greedy: bool, block_size: int | None, exact: bool = True) -> dict:
     """Each method's summary over every record, with the same summary per prompt source (`by_source`), per
     conversation turn (`by_turn`, "1", "2", ...: a record without a turn is a first turn) and per thinking mode
     (`by_thinking`, on / off, where the records carry one: a drafter trained in one mode accepts far less in the
@@ -70,12 +84,12 @@ def summarize(records, methods, *, greedy: bool, block_size: int | None) -> dict
     out = {}
     modes = [m for m in dict.fromkeys(thinking_name(r) for r in records) if m is not None]
     for method in methods:
-        out[method] = method_summary(records, method, greedy=greedy, block_size=block_size)
+        out[method] = method_summary(records, method, greedy=greedy, block_size=block_size, exact=exact)
         keys = [("by_source", _source), ("by_turn", _turn)] + ([("by_thinking", thinking_name)] if modes else [])
         for name, key in keys:
             out[method][name] = {
                 value: method_summary(
-                    [r for r in records if key(r) == value], method, greedy=greedy, block_size=block_size
+                    [r for r in records if key(r) == value], method, greedy=greedy, block_size=block_size, exact=exact
                 )
                 for value in dict.fromkeys(key(r) for r in records)
                 if value is not None

@@ -80,7 +80,7 @@ if "$PY" -c "import sys; from flashdraft.config import EvalConfig; sys.exit('exa
     EVAL+=(eval.exact=on)
 fi
 echo "$RANKS" > "$WORK/ranks"
-RUN=(model.target="$WORK/target" "model.layer_ids=[1,3,5]" model.dtype="$DTYPE" run_dir="$WORK/run" device="$DEVICE")
+RUN=(model.target="$WORK/target" "drafter.layer_ids=[1,3,5]" model.dtype="$DTYPE" run_dir="$WORK/run" device="$DEVICE")
 TRAIN+=("${RUN[@]}" train.dtype="$DTYPE" train.zero_stage=2 train.epochs=1000 train.eval_every=0
     train.checkpoint_every=0 train.progress=false drafter.num_layers=2 drafter.block_size=8)
 SOURCES="data.sources=[pydocs,chatseeds]"

@@ -17,14 +17,11 @@ from pathlib import Path
 
 def capture_request(overrides: list[str]) -> tuple[int, float, float]:
     """(num_actors, cpus_per_actor, gpus_per_actor) of the composed config, as the pipeline reads them."""
-    from hydra import compose, initialize_config_dir
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's `entry` (run as a script)
+    from entry import compose, typed_config
 
-    from flashdraft.config import register_configs
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base=None):
-        c = compose(config_name="config", overrides=overrides).cluster
-    return int(c.num_actors), float(c.cpus_per_actor), float(c.gpus_per_actor)
+    c = typed_config(compose(overrides)).cluster
+    return c.num_actors, c.cpus_per_actor, c.gpus_per_actor
 
 
 def actors_that_fit(nodes: list[dict], cpus: float, gpus: float) -> int:

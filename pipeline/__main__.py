@@ -3,6 +3,7 @@
 python -m pipeline model=smollm2-135m data.limit=8          # capture (resumes if rerun)
 python -m pipeline estimate data=nemotron model=qwen3-8b     # bytes, shards, files, GPU-hours (offline too)
 python -m pipeline verify runs/smollm2-135m/features        # check a store; exit 1 on a problem
+python -m pipeline repair runs/smollm2-135m/features        # drop listed shards missing on disk (rerun recaptures)
 python -m pipeline paths run_dir=/shared/runs/qwen3-8b       # where a cluster job writes; exit 1 if relative
 """
 
@@ -11,28 +12,24 @@ from __future__ import annotations
 import json
 import os
 import sys
-from pathlib import Path
+from dataclasses import asdict
 
 # RAY_AUTH_MODE is the user's: a local instance (pipeline/localray.py) defaults it, a cluster driver follows theirs
 for _k, _v in (("HF_HUB_ETAG_TIMEOUT", "10"), ("HF_HUB_DOWNLOAD_TIMEOUT", "10")):
     os.environ.setdefault(_k, _v)
 
 import hydra  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
+from hydra.errors import HydraException  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
-from flashdraft.config import (  # noqa: E402
-    ClusterConfig,
-    DataConfig,
-    ModelConfig,
-    as_settings,
-    register_configs,
-    source_figures,
-    thinking_setting,
-)
+from entry import compose, register_configs, typed_config  # noqa: E402
+from flashdraft.config import Config, DataConfig, source_figures, thinking_setting  # noqa: E402
 from flashdraft.prompts import PromptSourceUnavailable  # noqa: E402
 from flashdraft.spec import capture_layer_ids, check_layer_ids, default_layer_ids  # noqa: E402
 from flashdraft.store import StoreError, StoreLayout, verify_store  # noqa: E402
 from flashdraft.store.lock import writer_lock  # noqa: E402
+from flashdraft.store.repair import drop_missing_shards  # noqa: E402
 from pipeline.fleet import FleetConfig, run_fleet  # noqa: E402
 from pipeline.job import (  # noqa: E402
     estimate,
@@ -46,17 +43,18 @@ from pipeline.job import (  # noqa: E402
 from pipeline.worker import CaptureSettings  # noqa: E402
 
 
-def captured_layer_ids(cfg: DictConfig, offline_ok: bool = False) -> list[int]:
-    """The target layers the capture stores. With `offline_ok` (estimates) a target whose config cannot be read
-    is taken at the model yaml's word (`num_layers`)."""
-    m = cfg.model
+def captured_layer_ids(cfg: Config, offline_ok: bool = False) -> list[int]:
+    """The target layers the capture stores: the ones the drafter reads (`drafter.layer_ids`, else the reference
+    formula's `drafter.num_features`). With `offline_ok` (estimates) a target whose config cannot be read is taken
+    at the model yaml's word (`num_layers`)."""
+    m, d = cfg.model, cfg.drafter
     try:
         config = target_config(m.target, cfg.trust_remote_code)
     except OSError:
         if not offline_ok:
             raise
-        return check_layer_ids(m.layer_ids or default_layer_ids(m.num_layers, m.num_target_features), m.num_layers)
-    return capture_layer_ids(config, m.num_target_features, m.layer_ids)
+        return check_layer_ids(d.layer_ids or default_layer_ids(m.num_layers, d.num_features), m.num_layers)
+    return capture_layer_ids(config, d.num_features, d.layer_ids)
 
 
 def auto_or_int(value, key: str) -> int | str:
@@ -69,26 +67,26 @@ def auto_or_int(value, key: str) -> int | str:
         raise ValueError(f"{key} must be a number or auto, got {value!r}") from None
 
 
-def settings_from(cfg: DictConfig, offline_ok: bool = False) -> CaptureSettings:
+def settings_from(cfg: Config, offline_ok: bool = False) -> CaptureSettings:
     m, d = cfg.model, cfg.data
     return CaptureSettings(
-        target=str(m.target),
+        target=m.target,
         layer_ids=tuple(captured_layer_ids(cfg, offline_ok)),
-        dtype=str(m.dtype),
-        device=str(cfg.device),
-        mode=str(d.mode),
-        turns=str(d.turns),
-        max_new_tokens=int(d.max_new_tokens),
-        max_length=int(d.max_length),
-        max_prompt_tokens=int(d.max_prompt_tokens),
+        dtype=m.dtype,
+        device=cfg.device,
+        mode=d.mode,
+        turns=d.turns,
+        max_new_tokens=d.max_new_tokens,
+        max_length=d.max_length,
+        max_prompt_tokens=d.max_prompt_tokens,
         batch_size=auto_or_int(d.batch_size, "data.batch_size"),
         prefill_tokens=auto_or_int(d.prefill_tokens, "data.prefill_tokens"),
-        gpu_memory_fraction=float(d.gpu_memory_fraction),
-        sampling=OmegaConf.to_object(d.sampling),
-        seed=int(cfg.seed),
+        gpu_memory_fraction=d.gpu_memory_fraction,
+        sampling=d.sampling,
+        seed=cfg.seed,
         system_prompt=m.chat.system_prompt,
         **thinking_settings(m.chat.enable_thinking, d.thinking, d.thinking_share),
-        trust_remote_code=bool(cfg.trust_remote_code),
+        trust_remote_code=cfg.trust_remote_code,
         torch_threads=int(max(1, cfg.cluster.cpus_per_actor)),
     )
 
@@ -98,32 +96,25 @@ def thinking_settings(enable_thinking, thinking, share) -> dict:
     mode = thinking_setting(thinking, "data.thinking", ("on", "off", "mixed"))
     if mode == "mixed":
         return {"enable_thinking": enable_thinking, "thinking_share": float(share)}
-    return {"enable_thinking": enable_thinking if mode is None else mode == "on"}
+    return {"enable_thinking": enable_thinking if mode is None else mode == "on", "thinking_share": None}
 
 
-def fleet_from(cfg: DictConfig) -> FleetConfig:
+def fleet_from(cfg: Config) -> FleetConfig:
     c = cfg.cluster
     return FleetConfig(
-        num_actors=int(c.num_actors),
-        cpus_per_actor=float(c.cpus_per_actor),
-        gpus_per_actor=float(c.gpus_per_actor),
+        num_actors=c.num_actors,
+        cpus_per_actor=c.cpus_per_actor,
+        gpus_per_actor=c.gpus_per_actor,
         ray_address=c.ray_address,
-        shard_size=int(cfg.data.shard_size),
-        max_attempts=int(c.max_attempts),
-        object_store_mb=int(c.object_store_mb),
+        shard_size=cfg.data.shard_size,
+        max_attempts=c.max_attempts,
+        object_store_mb=c.object_store_mb,
     )
 
 
-def data_limit(d: DictConfig):
-    """`data.limit` as load_records takes it: a number, a {source: number} map, or None."""
-    return OmegaConf.to_container(d.limit) if isinstance(d.limit, DictConfig) else d.limit
-
-
-def records_from(cfg: DictConfig, counts: dict | None = None):
+def records_from(cfg: Config, counts: dict | None = None):
     d = cfg.data
-    return load_records(
-        list(d.sources), split=d.split, limit=data_limit(d), heldout_fraction=float(d.heldout_fraction), counts=counts
-    )
+    return load_records(d.sources, split=d.split, limit=d.limit, heldout_fraction=d.heldout_fraction, counts=counts)
 
 
 def split_words(split: str | None) -> str:
@@ -139,8 +130,8 @@ SHARED_PATHS = (
 )
 
 
-def refuse_relative_outputs(cfg: DictConfig) -> None:
-    relative = [f"{k}={cfg[k]}" for k in OUTPUTS if not os.path.isabs(str(cfg[k]))]
+def refuse_relative_outputs(cfg: Config) -> None:
+    relative = [f"{k}={getattr(cfg, k)}" for k in OUTPUTS if not os.path.isabs(getattr(cfg, k))]
     if relative:
         verb = "is" if len(relative) == 1 else "are"
         raise ValueError(f"{', '.join(relative)} {verb} relative: " + SHARED_PATHS.format(model=cfg.model.name))
@@ -153,7 +144,7 @@ def in_uploaded_copy() -> bool:
     return bool((job.get("runtime_env") or {}).get("working_dir"))
 
 
-def store_path(cfg: DictConfig) -> str:
+def store_path(cfg: Config) -> str:
     """`features_dir` as every worker reads it: absolute (Ray workers start in their node's own directory, not in
     this process's), and refused where relative in an uploaded copy (`in_uploaded_copy`)."""
     if in_uploaded_copy():
@@ -161,7 +152,7 @@ def store_path(cfg: DictConfig) -> str:
     return os.path.abspath(cfg.features_dir)
 
 
-def capture_command(cfg: DictConfig) -> int:
+def capture_command(cfg: Config) -> int:
     features_dir = store_path(cfg)
     with writer_lock(features_dir):  # before anything touches the store: one capture writes it at a time
         settings = settings_from(cfg)
@@ -172,7 +163,7 @@ def capture_command(cfg: DictConfig) -> int:
             f"{counts['read']} read, {len(rejects)} rejected on load (duplicates included), "
             f"{counts['outside split']} outside the split"
         )
-        writer = open_store(features_dir, settings, sources=list(cfg.data.sources), store_options=dict(cfg.data.store))
+        writer = open_store(features_dir, settings, sources=cfg.data.sources, store_options=asdict(cfg.data.store))
         summary = run_fleet(
             features_dir,
             records,
@@ -187,17 +178,16 @@ def capture_command(cfg: DictConfig) -> int:
     return 0 if summary.ok else 1
 
 
-def estimate_rows(cfg: DictConfig, settings: CaptureSettings) -> list[dict]:
+def estimate_rows(cfg: Config, settings: CaptureSettings) -> list[dict]:
     """Per source, what the estimate takes it to be: its records sampled where they load (the hub reachable, a
     file, an embedded source), else its `data.figures` entry; a source with neither is refused by name."""
     d = cfg.data
-    limit = data_limit(d)
-    figures = source_figures(OmegaConf.to_container(d.figures, resolve=True))
+    figures = source_figures(d.figures)
     rows = []
     for source in map(str, d.sources):
-        cap = source_limit(list(d.sources), limit, source)
+        cap = source_limit(d.sources, d.limit, source)
         try:
-            records, _ = load_records([source], split=d.split, limit=cap, heldout_fraction=float(d.heldout_fraction))
+            records, _ = load_records([source], split=d.split, limit=cap, heldout_fraction=d.heldout_fraction)
         except PromptSourceUnavailable as e:
             if source not in figures:
                 raise PromptSourceUnavailable(
@@ -210,9 +200,9 @@ def estimate_rows(cfg: DictConfig, settings: CaptureSettings) -> list[dict]:
                     source,
                     figures[source],
                     split=d.split,
-                    heldout_fraction=float(d.heldout_fraction),
+                    heldout_fraction=d.heldout_fraction,
                     cap=cap,
-                    max_new_tokens=int(d.max_new_tokens),
+                    max_new_tokens=d.max_new_tokens,
                     expected_response_tokens=d.expected_response_tokens,
                 )
             )
@@ -222,23 +212,22 @@ def estimate_rows(cfg: DictConfig, settings: CaptureSettings) -> list[dict]:
 
 
 RATE_NOTE = (
-    "the default, 250, is an assumption: Hugging Face generate at data.batch_size 8 of an 8B target on one H100 "
-    "(issue #38 puts it at 200-300; no GPU has measured it); a serving engine's responses captured with "
-    "data.mode=capture run far faster"
+    "the default is an assumption, not a measurement: Hugging Face generate at data.batch_size 8 of an 8B target on "
+    "one H100; a serving engine's responses captured with data.mode=capture run far faster"
 )
 
 
-def estimate_command(cfg: DictConfig) -> int:
+def estimate_command(cfg: Config) -> int:
     settings = settings_from(cfg, offline_ok=True)
     rows = estimate_rows(cfg, settings)
-    d, store = cfg.data, cfg.data.store
-    layout = StoreLayout(settings.layer_ids, int(cfg.model.hidden_size), **OmegaConf.to_container(store, resolve=True))
-    rate = float(d.capture_tokens_per_s)
+    d = cfg.data
+    layout = StoreLayout(settings.layer_ids, cfg.model.hidden_size, **asdict(d.store))
+    rate = d.capture_tokens_per_s
     e = estimate(
         rows,
         layout,
-        max_length=int(d.max_length),
-        shard_size=int(d.shard_size),
+        max_length=d.max_length,
+        shard_size=d.shard_size,
         capture_tokens_per_s=rate,
         store_path=cfg.features_dir,
     )
@@ -293,18 +282,31 @@ def verify_command(argv: list[str]) -> int:
     return 0
 
 
+def repair_command(argv: list[str]) -> int:
+    """Drop the manifest entries of listed shards missing on disk; the next capture recaptures their prompts."""
+    if len(argv) != 1:
+        print("usage: python -m pipeline repair STORE_DIR", file=sys.stderr)
+        return 2
+    try:
+        dropped = drop_missing_shards(argv[0])
+    except StoreError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for e in dropped:
+        print(f"dropped {e['name']} ({e['sequences']} sequences, {len(e.get('rejects', []))} rejects): {e['why']}")
+    print(
+        f"{argv[0]}: {len(dropped)} shard entr{'y' if len(dropped) == 1 else 'ies'} dropped"
+        + ("; run the same capture command again to recapture their prompts" if dropped else ", nothing to repair")
+    )
+    return 0
+
+
 def paths_command(overrides: list[str]) -> int:
     """Print the output paths the overrides give; exit 1 naming any relative one (or a bad override).
     `jobs/ray_submit.sh` asks before it submits. The config is composed without a Hydra run: nothing is written."""
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    register_configs()
     try:
-        with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base=None):
-            cfg = compose(config_name="config", overrides=overrides)
-        print("\n".join(f"{k}={cfg[k]}" for k in OUTPUTS))
+        cfg = typed_config(compose(overrides))
+        print("\n".join(f"{k}={getattr(cfg, k)}" for k in OUTPUTS))
         refuse_relative_outputs(cfg)
     except (HydraException, OmegaConfBaseException, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -318,9 +320,7 @@ def _hydra(command):
     @hydra.main(config_path="../conf", config_name="config", version_base=None)
     def entry(cfg: DictConfig) -> None:
         try:
-            for group, schema in (("model", ModelConfig), ("data", DataConfig), ("cluster", ClusterConfig)):
-                as_settings(cfg[group], schema, group)  # refuses unknown keys by name
-            code = command(cfg)
+            code = command(typed_config(cfg))  # typed once, here; unknown keys are refused by name
         except (PromptSourceUnavailable, StoreError, FileNotFoundError, ValueError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
             code = 1
@@ -334,6 +334,8 @@ def main() -> None:
     argv = sys.argv[1:]
     if argv and argv[0] == "verify":
         sys.exit(verify_command(argv[1:]))
+    if argv and argv[0] == "repair":
+        sys.exit(repair_command(argv[1:]))
     if argv and argv[0] == "paths":
         sys.exit(paths_command(argv[1:]))
     command = capture_command

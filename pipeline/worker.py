@@ -12,7 +12,7 @@ import hashlib
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -22,41 +22,40 @@ from flashdraft.store import ShardWriter, StoreLayout, read_manifest, shard_exis
 from flashdraft.store.files import shard_dir
 from flashdraft.store.space import check_free_space
 from flashdraft.target import chat_text, load_target, resolve_dtype, stop_token_ids, template_takes_thinking
-from flashdraft.target.memory import DEFAULT_FRACTION, decode_rows, prefill_token_budget
+from flashdraft.target.memory import decode_rows, prefill_token_budget
 from pipeline.capture import capture, regenerate_stream, token_batches
 from pipeline.turns import Conversation, regenerate_conversations, user_turns
 
-CPU_BATCH_SIZE = 8  # data.batch_size auto on a CPU: what a fixed batch_size defaulted to before auto
+CPU_BATCH_SIZE = 8  # data.batch_size auto on a CPU
 CPU_PREFILL_TOKENS = 16384  # data.prefill_tokens auto in capture mode on a CPU
 GPU_ADMIT_TOKENS = 16384  # ... in regenerate mode on a GPU: a prefill of joining prompts, small next to the KV cache
 
 
 @dataclass(frozen=True)
 class CaptureSettings:
+    """What a capture worker does, every field given by its caller (`pipeline.__main__.settings_from`, from the
+    model, data and cluster settings of flashdraft.config, where each default and its meaning is stated once)."""
+
     target: str
     layer_ids: tuple[int, ...]
-    dtype: str = "float32"  # the target's compute dtype
-    device: str = "cpu"
-    mode: str = "regenerate"  # regenerate | capture (records already carry responses)
-    # regenerate mode: "all" answers every user turn in order, each against the target's own earlier answers, as one
-    # sequence (pipeline/turns.py); "single" answers the record's final user turn only, its given assistant turns kept
-    # as context and its followups dropped. The default here is the behaviour from before the setting; data.turns
-    # defaults to all.
-    turns: str = "single"
-    max_new_tokens: int = 1024
-    max_length: int = 3072  # prompt + response, tokens
-    max_prompt_tokens: int = 2048
-    batch_size: int | str = "auto"  # decode rows, or auto: from the free GPU memory (CPU: CPU_BATCH_SIZE)
-    prefill_tokens: int | str = "auto"  # tokens a prefill holds (rows x longest), or auto (`CaptureWorker.budgets`)
-    gpu_memory_fraction: float = DEFAULT_FRACTION  # of the free GPU memory the auto sizes plan to fill
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    seed: int = 0
-    system_prompt: str | None = None
-    enable_thinking: bool | None = None
+    dtype: str  # the target's compute dtype (model.dtype)
+    device: str
+    mode: str  # regenerate | capture (records already carry responses)
+    turns: str  # regenerate mode: all | single (data.turns)
+    max_new_tokens: int
+    max_length: int  # prompt + response, tokens
+    max_prompt_tokens: int
+    batch_size: int | str  # decode rows, or auto: from the free GPU memory (CPU: CPU_BATCH_SIZE)
+    prefill_tokens: int | str  # tokens a prefill holds (rows x longest), or auto (`CaptureWorker.budgets`)
+    gpu_memory_fraction: float  # of the free GPU memory the auto sizes plan to fill
+    sampling: SamplingConfig
+    seed: int
+    system_prompt: str | None
+    enable_thinking: bool | None
     # set: each prompt's enable_thinking is drawn from its seq_id, this share on (flashdraft.prompts.thinking_of)
-    thinking_share: float | None = None
-    trust_remote_code: bool = False
-    torch_threads: int | None = None
+    thinking_share: float | None
+    trust_remote_code: bool
+    torch_threads: int | None
 
     def __post_init__(self):
         if self.mode not in ("regenerate", "capture"):
@@ -81,9 +80,11 @@ class CaptureSettings:
         for k in ("trust_remote_code", "target"):
             d.pop(k)
         d["layer_ids"] = list(self.layer_ids)
-        if self.turns == "single" or self.mode == "capture":  # what every store before the setting holds
+        # single turns and unmixed thinking are written as the absence of their key, so that the stores that hold them
+        # keep one identity whichever way they were asked for
+        if self.turns == "single" or self.mode == "capture":
             d.pop("turns")
-        if self.thinking_share is None:  # what every store before the setting holds
+        if self.thinking_share is None:
             d.pop("thinking_share")
         return d
 
@@ -130,7 +131,7 @@ class CaptureWorker:
         """(decode rows, prefill token budget or None for unlimited, one line each saying why). `auto` on a GPU is
         sized from the memory free once the target is loaded (flashdraft.target.memory); on a CPU it is a fixed
         default: CPU_BATCH_SIZE rows; in capture mode CPU_PREFILL_TOKENS tokens a prefill, in regenerate mode the
-        joining prompts prefilled together, unsplit, as before these settings existed."""
+        joining prompts prefilled together, unsplit."""
         free = torch.cuda.mem_get_info(self.model.device)[0] if self.model.device.type == "cuda" else None
         prefill, prefill_line = self._prefill_budget(free)
         if self.s.mode == "capture":

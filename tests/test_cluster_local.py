@@ -91,7 +91,7 @@ def test_pipeline_on_a_two_node_ray_cluster(tmp_path, ray_cluster):
         "cluster.cpus_per_actor=1",
         "cluster.gpus_per_actor=0",
         f"model.target={target}",
-        "model.layer_ids=[0,1,2]",
+        "drafter.layer_ids=[0,1,2]",
         f"features_dir={store}",
         f"run_dir={tmp_path / 'run'}",
         "data.sources=[humaneval,mtbench]",  # the offline default has more; the counts below are of these

@@ -175,7 +175,7 @@ def jobs(slurm_conf, tmp_path_factory):
     paths = [f"run_dir={tmp / 'run'}", f"features_dir={tmp / 'features'}"]
     capture_args = [
         *model,
-        f"model.layer_ids=[{','.join(map(str, LAYERS))}]",
+        f"drafter.layer_ids=[{','.join(map(str, LAYERS))}]",
         "model.dtype=float32",
         "data=local",
         f"data.path={prompts}",
@@ -238,6 +238,7 @@ def test_capture_on_two_slurm_nodes(jobs):
 def test_train_after_capture_one_rank_per_node(jobs):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from flashdraft.config import DrafterConfig
     from harness.drafter import load_drafter
 
     finished_log(jobs["train"], "flashdraft-train", jobs["env"])
@@ -247,6 +248,7 @@ def test_train_after_capture_one_rank_per_node(jobs):
     last = run / "train" / "checkpoints" / "step-00000003"
     assert sorted(p.name for p in last.glob("rng-rank*.pt")) == ["rng-rank0.pt", "rng-rank1.pt"]  # two ranks
     target = AutoModelForCausalLM.from_pretrained(jobs["target"]).eval()
-    drafter, untrained = load_drafter(run / "drafter", target, AutoTokenizer.from_pretrained(jobs["target"]))
+    tokenizer = AutoTokenizer.from_pretrained(jobs["target"])
+    drafter, untrained = load_drafter(run / "drafter", target, tokenizer, DrafterConfig())
     assert not untrained and drafter.block_size == 4 and len(drafter.layers) == 1
     assert list(drafter.target_layer_ids) == LAYERS

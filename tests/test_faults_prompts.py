@@ -10,14 +10,12 @@ import shutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from hydra import compose, initialize_config_dir
 
-from flashdraft.config import register_configs
+from entry import compose, typed_config
 from flashdraft.prompts import load_prompts
 from flashdraft.store import StoreReader, read_rejects
 from pipeline.__main__ import capture_command, verify_command
 from pipeline.job import load_records
-from tests.test_config import CONF
 from tests.test_pipeline import LAYERS, build_tiny_target, write_jsonl
 
 TWELVE = [f"Name {n} animals that live in {place}." for n, place in enumerate(["the sea", "a desert", "a forest"], 2)]
@@ -34,23 +32,22 @@ def target(tmp_path_factory):
 def capture(target, prompts, store, capsys, *overrides) -> tuple[int, str]:
     """`python -m pipeline data=local data.path=PROMPTS` into `store` with the tiny target, in this process: its
     exit code and what it printed."""
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        cfg = compose(
-            config_name="config",
-            overrides=[
+    cfg = typed_config(
+        compose(
+            [
                 "data=local",
                 f"data.path={prompts}",
                 f"model.target={target}",
-                f"model.layer_ids=[{','.join(map(str, LAYERS))}]",
+                f"drafter.layer_ids=[{','.join(map(str, LAYERS))}]",
                 f"features_dir={store}",
                 "cluster.num_actors=0",
                 "data.max_new_tokens=6",
                 "data.batch_size=4",
                 "data.shard_size=4",
                 *overrides,
-            ],
+            ]
         )
+    )
     capsys.readouterr()
     rc = capture_command(cfg)
     return rc, capsys.readouterr().out

@@ -41,7 +41,7 @@ def pipeline_cmd(target, store, limit, run_dir):
         "pipeline",
         "cluster.num_actors=0",
         f"model.target={target}",
-        f"model.layer_ids=[{','.join(map(str, LAYERS))}]",
+        f"drafter.layer_ids=[{','.join(map(str, LAYERS))}]",
         f"features_dir={store}",
         f"run_dir={run_dir}",
         f"data.sources=[{','.join(SOURCES)}]",

@@ -14,6 +14,7 @@ from hydra import compose, initialize_config_dir
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from entry import typed_config
 from harness.__main__ import run, run_key
 from harness.methods import METHODS
 from tests.test_speculative import one_thread, tiny_drafter, tiny_target  # noqa: F401 (one_thread: autouse fixture)
@@ -84,12 +85,17 @@ def compose_config(over):
         return compose(config_name="config", overrides=over)
 
 
+def eval_settings(over):
+    """The composed config as the harness's entry point hands it to `run`: typed, once."""
+    return typed_config(compose_config(over))
+
+
 def test_quick_eval_writes_reports(target_dir, tmp_path, capsys):
     from flashdraft.prompts import load_prompts
 
     heldout = load_prompts("humaneval", split="heldout", limit=1)[0].seq_id
     write_training_store(tmp_path / "features", target_dir, heldout)  # the profile's training store: eval.datastore
-    report = run(compose_config(overrides(target_dir, tmp_path, "eval.block_size=4")))  # the untrained drafter's block
+    report = run(eval_settings(overrides(target_dir, tmp_path, "eval.block_size=4")))  # the untrained drafter's block
     out = tmp_path / "eval"
     saved = json.loads((out / "report.json").read_text())
     assert saved["methods"].keys() == set(METHODS)  # every method of the table
@@ -101,9 +107,10 @@ def test_quick_eval_writes_reports(target_dir, tmp_path, capsys):
         assert key in s
     for name, m in saved["methods"].items():
         assert m["lossless"] is True or name == "plain_as_loaded", name  # that one is compared, not guaranteed
-        assert m["tokens_per_s"] > 0 and m["speedup"] > 0 and m["speedup_vs_loaded"] > 0 and m["tau"] >= 1.0
+        assert m["tokens_per_s"] > 0 and m["speedup"] > 0 and m["tau"] >= 1.0 and "speedup_vs_loaded" not in m
         assert m["by_source"].keys() == {"humaneval", "mtbench"}
     assert saved["methods"]["plain"]["tau"] == 1.0 and saved["methods"]["plain"]["speedup"] == 1.0
+    assert s["exact"] == {"setting": "auto", "on": True, "why": "auto: greedy on cpu in float32"}
     d = saved["methods"]["dflash"]
     assert list(d["acceptance_histogram"]) == ["1", "2", "3", "4"]
     assert sum(d["acceptance_histogram"].values()) == d["rounds"] > 0
@@ -142,8 +149,9 @@ def test_quick_eval_writes_reports(target_dir, tmp_path, capsys):
 
 
 def test_plain_as_loaded_decodes_a_copy_of_the_target_without_exact_verification(target_dir, tmp_path, monkeypatch):
-    """On CPU the harness makes the target exact (padded GEMMs, row-wise attention); plain_as_loaded decodes a copy
-    left as loaded, the plain decoding a user runs, and every method's speedup_vs_loaded is over it."""
+    """With exact verification on, the harness makes the target exact (padded GEMMs, row-wise attention);
+    plain_as_loaded decodes a copy left as loaded, the plain decoding a user runs, and the speed table compares every
+    method with plain on the exact target (plain_as_loaded's speedup: what exactness costs plain decoding)."""
     import harness.methods
     from harness.policies import PLAIN
 
@@ -157,31 +165,81 @@ def test_plain_as_loaded_decodes_a_copy_of_the_target_without_exact_verification
     speculative_generate = harness.methods.speculative_generate
     monkeypatch.setattr(harness.methods, "speculative_generate", recording)
     report = run(
-        compose_config(
-            overrides(target_dir, tmp_path, "eval.methods=[plain,plain_as_loaded,dflash]", "eval.warmup=false")
+        eval_settings(
+            overrides(
+                target_dir,
+                tmp_path,
+                "eval.methods=[plain,plain_as_loaded,dflash]",
+                "eval.warmup=false",
+                "eval.exact=on",
+            )
         )
     )
     assert plain_runs == ["rowwise_exact", "sdpa"] * 6  # per prompt turn: plain on the exact target, then the copy
     m = report["methods"]
-    assert m["plain_as_loaded"]["tau"] == 1.0 and m["plain_as_loaded"]["speedup_vs_loaded"] == 1.0
-    for name in ("plain", "dflash"):
-        assert m[name]["speedup_vs_loaded"] == pytest.approx(
-            m[name]["tokens_per_s"] / m["plain_as_loaded"]["tokens_per_s"]
-        )
-        assert m[name]["by_source"]["mtbench"]["speedup_vs_loaded"] > 0
+    assert m["plain_as_loaded"]["tau"] == 1.0
+    for name in ("plain_as_loaded", "dflash"):
+        assert m[name]["speedup"] == pytest.approx(m[name]["tokens_per_s"] / m["plain"]["tokens_per_s"])
+        assert "speedup_vs_loaded" not in m[name]
     assert report["settings"]["attention"] == "rowwise_exact" and m["dflash"]["lossless"] is True
+    assert report["settings"]["exact"] == {"setting": "on", "on": True, "why": "eval.exact=on"}
+    assert m["dflash"]["agreement"] == {"identical_prompts": 6, "prompts": 6, "tokens_before_first_difference": []}
     gemm_rows = report["settings"]["exact_gemm_rows"]  # every linear shape of the target, with the rows it pads to
     assert "64->320" in gemm_rows and all(1 <= rows <= 16 for rows in gemm_rows.values())
     md = (tmp_path / "eval" / "report.md").read_text()
     assert "- exact verification, GEMM rows (a shorter tile padded to): " in md
-    assert "| method | tau | tokens/s | speedup | vs as loaded | lossless | decode tokens | decode s |" in md
-    assert "| plain_as_loaded | 1.00 |" in md and "plain_as_loaded decodes the target as loaded" in md
+    assert "- exact verification: on (eval.exact=on); greedy outputs must equal plain decoding's (lossless)" in md
+    assert "| method | tau | tokens/s | speedup | lossless | decode tokens | decode s |" in md
+    assert "| plain_as_loaded | 1.00 |" in md and "plain_as_loaded decodes a copy of the target as loaded" in md
+    assert "## Agreement with plain decoding" not in md
+
+
+def test_exact_off_runs_every_method_on_the_target_as_loaded(target_dir, tmp_path, monkeypatch):
+    """eval.exact=off: no exact copy, every method (plain included) decodes the target as loaded, plain_as_loaded is
+    left out (plain is that already), and greedy outputs are compared with plain's as information: `agreement`
+    (tokens before the first difference), `lossless` n/a, no NOT LOSSLESS section."""
+    import harness.methods
+
+    attention = []
+
+    def recording(target, input_ids, policy, **kw):
+        attention.append(target.config._attn_implementation)
+        return speculative_generate(target, input_ids, policy, **kw)
+
+    speculative_generate = harness.methods.speculative_generate
+    monkeypatch.setattr(harness.methods, "speculative_generate", recording)
+    report = run(
+        eval_settings(
+            overrides(
+                target_dir,
+                tmp_path,
+                "eval.methods=[plain,plain_as_loaded,dflash]",
+                "eval.warmup=false",
+                "eval.exact=off",
+            )
+        )
+    )
+    assert set(attention) == {"sdpa"} and len(attention) == 12  # plain and dflash, 6 prompt turns each
+    s, m = report["settings"], report["methods"]
+    assert s["exact"] == {"setting": "off", "on": False, "why": "eval.exact=off"}
+    assert s["attention"] == "sdpa" and s["exact_gemm_rows"] == {}
+    assert m.keys() == {"plain", "dflash"} and m["dflash"]["lossless"] is None
+    agreement = m["dflash"]["agreement"]
+    assert (
+        agreement["prompts"] == 6
+        and agreement["identical_prompts"] + len(agreement["tokens_before_first_difference"]) == 6
+    )
+    assert m["dflash"]["speedup"] == pytest.approx(m["dflash"]["tokens_per_s"] / m["plain"]["tokens_per_s"])
+    md = (tmp_path / "eval" / "report.md").read_text()
+    assert "- exact verification: off (eval.exact=off): every method runs the target as loaded" in md
+    assert "## Agreement with plain decoding (as loaded, information)" in md and "| dflash | " in md
+    assert "NOT LOSSLESS" not in md
 
 
 def test_trained_drafter_is_loaded_and_sampling_runs(target_dir, tmp_path):
     drafter = tiny_drafter(tiny_target("llama", vocab=320), block_size=8, mask_token_id=310, layers=1)
     drafter.save_pretrained(tmp_path / "drafter")
-    cfg = compose_config(
+    cfg = eval_settings(
         overrides(
             target_dir,
             tmp_path,
@@ -199,22 +257,38 @@ def test_trained_drafter_is_loaded_and_sampling_runs(target_dir, tmp_path):
     assert s["untrained_drafter"] is False and s["drafter"] == str(tmp_path / "drafter") and s["block_size"] == 8
     assert s["draft_cutoff"] == 0.01 and 0 <= report["methods"]["dflash"]["verified_drafts"] < 7
     assert report["methods"].keys() == {"plain", "dflash"} and report["methods"]["dflash"]["lossless"] is None
+    assert s["exact"]["on"] is False and s["exact"]["why"].startswith("auto: sampling")  # the speed a user gets
     assert "warning" not in report
 
 
+def test_an_eval_block_size_the_drafter_does_not_fit_is_refused_by_name(target_dir, tmp_path):
+    drafter = tiny_drafter(tiny_target("llama", vocab=320), block_size=8, mask_token_id=310, layers=1)
+    drafter.save_pretrained(tmp_path / "drafter")
+    trained = [f"eval.drafter={tmp_path / 'drafter'}", "eval.allow_untrained=false", "eval.methods=[plain,dflash]"]
+    with pytest.raises(ValueError, match=r"eval.block_size 9 does not fit the drafter at .*drafter, whose block is 8"):
+        run(eval_settings(overrides(target_dir, tmp_path, *trained, "eval.block_size=9")))
+    with pytest.raises(ValueError, match=r"eval.block_size 0 does not fit"):
+        run(eval_settings(overrides(target_dir, tmp_path, *trained, "eval.block_size=0")))
+    untrained = [f"eval.drafter={tmp_path / 'none'}", "eval.methods=[plain,dflash]", "drafter.block_size=4"]
+    with pytest.raises(
+        ValueError, match=r"eval.block_size 5 does not fit the untrained drafter \(drafter.block_size\)"
+    ):
+        run(eval_settings(overrides(target_dir, tmp_path, *untrained, "eval.block_size=5")))
+
+
 def test_unknown_or_retired_eval_settings_are_refused_by_name(target_dir, tmp_path):
-    with pytest.raises(ValueError, match=r"unknown eval settings \['verify_by_cost'\]"):
-        run(compose_config(overrides(target_dir, tmp_path, "eval.methods=[plain]", "+eval.verify_by_cost=true")))
+    with pytest.raises(ValueError, match=r"unknown settings \['eval.verify_by_cost'\]"):
+        run(eval_settings(overrides(target_dir, tmp_path, "eval.methods=[plain]", "+eval.verify_by_cost=true")))
 
 
 def test_interrupted_eval_resumes_without_rerunning_finished_prompts(target_dir, tmp_path, capsys):
     over = overrides(target_dir, tmp_path, "eval.methods=[plain,dflash]")
-    first = run(compose_config(over))
+    first = run(eval_settings(over))
     log = tmp_path / "eval" / "runs.jsonl"
     lines = log.read_text().splitlines()
     assert len(lines) == 6 and first["settings"]["resumed_prompts"] == 0  # MT-Bench: two turns a prompt
     log.write_text("\n".join(lines[:2]) + "\n" + lines[2][: len(lines[2]) // 2])  # killed while writing the third line
-    second = run(compose_config(over))
+    second = run(eval_settings(over))
     assert second["settings"]["resumed_prompts"] == 2 and "resuming: 2 of 6 prompt turns" in capsys.readouterr().out
     again = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["seq_id"] for r in again] == [json.loads(line)["seq_id"] for line in lines]
@@ -224,9 +298,9 @@ def test_interrupted_eval_resumes_without_rerunning_finished_prompts(target_dir,
         assert second["methods"][method]["new_tokens"] == first["methods"][method]["new_tokens"]
     assert second["methods"]["dflash"]["lossless"] is True
     assert "Resumed: 2 prompt turns" in (tmp_path / "eval" / "report.md").read_text()
-    other = run(compose_config([*over, "eval.max_new_tokens=10"]))  # other settings: nothing is reused
+    other = run(eval_settings([*over, "eval.max_new_tokens=10"]))  # other settings: nothing is reused
     assert other["settings"]["resumed_prompts"] == 0 and len(log.read_text().splitlines()) == 6
-    fresh = run(compose_config([*over, "eval.max_new_tokens=10", "eval.resume=false"]))
+    fresh = run(eval_settings([*over, "eval.max_new_tokens=10", "eval.resume=false"]))
     assert fresh["settings"]["resumed_prompts"] == 0 and len(log.read_text().splitlines()) == 6
 
 
@@ -244,7 +318,7 @@ def test_the_resume_key_holds_the_methods_and_the_drafter():
 
 
 def test_missing_datastore_store_is_named(target_dir, tmp_path):
-    cfg = compose_config(overrides(target_dir, tmp_path, "eval.methods=[plain,dflash_datastore]"))
+    cfg = eval_settings(overrides(target_dir, tmp_path, "eval.methods=[plain,dflash_datastore]"))
     with pytest.raises(FileNotFoundError, match="no feature store at .*features.*eval.datastore"):
         run(cfg)
 
@@ -265,15 +339,13 @@ def test_draft_vocabulary_is_counted_in_the_training_store_and_stays_lossless(
     heldout = load_prompts("humaneval", split="heldout", limit=1)[0].seq_id
     write_training_store(tmp_path / "features", target_dir, heldout)
     report = run(
-        compose_config(
-            overrides(target_dir, tmp_path, "eval.methods=[plain,dflash,dflash_tree]", "eval.draft_vocab=16")
-        )
+        eval_settings(overrides(target_dir, tmp_path, "eval.methods=[plain,dflash,dflash_tree]", "eval.draft_vocab=16"))
     )
     assert report["settings"]["draft_vocab"] == {"words": 16, "store": str(tmp_path / "features")}
     assert vocabularies and set(vocabularies) == {16}  # every draft scored the 16 words
     assert all(report["methods"][m]["lossless"] for m in ("dflash", "dflash_tree"))
     without = run(
-        compose_config(
+        eval_settings(
             overrides(
                 target_dir,
                 tmp_path,
@@ -288,7 +360,7 @@ def test_draft_vocabulary_is_counted_in_the_training_store_and_stays_lossless(
 
 
 def test_missing_drafter_is_an_error_unless_allowed(target_dir, tmp_path):
-    cfg = compose_config(
+    cfg = eval_settings(
         overrides(target_dir, tmp_path, f"eval.drafter={tmp_path / 'none'}", "eval.allow_untrained=false")
     )
     with pytest.raises(FileNotFoundError, match="no drafter at"):
@@ -298,7 +370,7 @@ def test_missing_drafter_is_an_error_unless_allowed(target_dir, tmp_path):
 def test_full_config_composes():
     cfg = compose_config(["eval=full"])
     assert cfg.eval.name == "full" and cfg.eval.limit is None and cfg.eval.allow_untrained is False
-    assert list(cfg.eval.methods) == list(METHODS)  # eval=full runs every method of the table
+    assert cfg.eval.methods is None  # eval=full runs every method of the table (harness.methods.methods_asked)
     assert (
         cfg.eval.datastore.endswith("/features") and cfg.eval.datastore_ngram == 4 and cfg.eval.datastore_min_ngram == 2
     )
@@ -307,7 +379,7 @@ def test_full_config_composes():
 
 
 def test_tree_method_with_sampling_is_refused_by_name(target_dir, tmp_path):
-    cfg = compose_config(overrides(target_dir, tmp_path, "eval.temperature=0.7"))
+    cfg = eval_settings(overrides(target_dir, tmp_path, "eval.temperature=0.7"))
     with pytest.raises(ValueError, match="dflash_tree is greedy only"):
         run(cfg)
 
@@ -368,22 +440,29 @@ def test_the_method_table_builds_each_methods_policy():
 def test_untrained_drafter_geometry_comes_from_the_spec_and_a_trained_one_must_fit(target_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from flashdraft.spec import capture_layer_ids
+    from flashdraft.config import DrafterConfig
+    from flashdraft.spec import DraftSpec, capture_layer_ids
     from flashdraft.target import choose_mask_token
     from harness.drafter import load_drafter
 
     target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    drafter, untrained = load_drafter(None, target, tokenizer, allow_untrained=True)
-    assert untrained and drafter.block_size == 16 and len(drafter.layers) == 5  # DraftSpec's defaults
+    drafter, untrained = load_drafter(None, target, tokenizer, DrafterConfig(), allow_untrained=True)
+    assert untrained and (drafter.spec.block_size, drafter.spec.num_draft_layers) == (
+        DraftSpec.block_size,
+        DraftSpec.num_draft_layers,
+    )  # DraftSpec's defaults, through the drafter settings
     assert drafter.target_layer_ids == capture_layer_ids(target.config)
     assert drafter.mask_token_id == choose_mask_token(tokenizer, target.config.vocab_size)
-    assert load_drafter(None, target, tokenizer, allow_untrained=True, block_size=4)[0].block_size == 4
+    shaped = DrafterConfig(block_size=4, num_layers=2, layer_ids=[2, 7])  # made as the trainer makes its spec
+    drafter = load_drafter(None, target, tokenizer, shaped, allow_untrained=True)[0]
+    made = DraftSpec.from_settings(shaped, [2, 7], drafter.mask_token_id).draft_config(target.config)
+    assert drafter.config.to_dict() == made.to_dict()
     tiny_drafter(tiny_target("llama", vocab=300), block_size=8, mask_token_id=290, layers=1).save_pretrained(
         tmp_path / "d"
     )
     with pytest.raises(ValueError, match="does not fit the target: vocab_size 300 != target's 320"):
-        load_drafter(tmp_path / "d", target, tokenizer)
+        load_drafter(tmp_path / "d", target, tokenizer, DrafterConfig())
 
 
 def test_eval_config_defaults_are_the_quick_profile():

@@ -4,7 +4,7 @@ on the tiny target of test_harness_cli with a trained-format drafter and a fake 
 import json
 
 from harness.__main__ import run
-from tests.test_harness_cli import compose_config, overrides, target_dir, write_training_store  # noqa: F401 (target_dir: fixture)
+from tests.test_harness_cli import eval_settings, overrides, target_dir, write_training_store  # noqa: F401 (target_dir: fixture)
 from tests.test_pictures import PNG_MAGIC, fake_metrics
 from tests.test_speculative import one_thread, tiny_drafter, tiny_target  # noqa: F401 (one_thread: autouse fixture)
 
@@ -16,7 +16,7 @@ def test_eval_writes_pictures_and_parity(target_dir, tmp_path, capsys):  # noqa:
     (tmp_path / "train").mkdir()
     fake_metrics(tmp_path / "train" / "metrics.jsonl")  # last eval/tau 1.6 at step 30
     write_training_store(tmp_path / "features", target_dir, "none")
-    cfg = compose_config(
+    cfg = eval_settings(
         overrides(
             target_dir, tmp_path, f"eval.drafter={tmp_path / 'drafter'}", "eval.allow_untrained=false", "eval.limit=1"
         )

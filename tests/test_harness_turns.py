@@ -11,7 +11,7 @@ import harness.evaluate
 from flashdraft.target import chat_input_ids
 from harness.__main__ import run
 from harness.evaluate import EvalPrompt, finished_records, next_turn
-from tests.test_harness_cli import compose_config, overrides, target_dir  # noqa: F401 (target_dir: a fixture)
+from tests.test_harness_cli import compose_config, eval_settings, overrides, target_dir  # noqa: F401 (target_dir: a fixture)
 from tests.test_speculative import one_thread  # noqa: F401 (an autouse fixture)
 
 
@@ -32,7 +32,7 @@ def calls(monkeypatch):
 
 def mtbench_eval(target_dir, tmp_path, *extra):  # noqa: F811 (target_dir: the fixture's value)
     over = ["eval.prompts=[mtbench]", "eval.methods=[plain,dflash]", "eval.block_size=4", "eval.warmup=false"]
-    return run(compose_config(overrides(target_dir, tmp_path, *over, *extra)))
+    return run(eval_settings(overrides(target_dir, tmp_path, *over, *extra)))
 
 
 def expected_second_turn(tokenizer, first: list[int], answer: list[int], prompt: dict) -> list[int]:

@@ -1,8 +1,10 @@
 """Capture (regenerate and capture-only), bad input, resume, NaN targets: in-process, no Ray."""
 
+import functools
 import json
 import os
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -57,8 +59,19 @@ def target(tmp_path_factory):
     return build_tiny_target(tmp_path_factory.mktemp("tiny-target"))
 
 
+@functools.cache
+def config_settings() -> CaptureSettings:
+    """The capture settings the entry point makes (CaptureSettings has no defaults of its own): fp32 and single turns
+    keep the tiny targets' outputs exact and short."""
+    from entry import compose, typed_config
+    from pipeline.__main__ import settings_from
+
+    over = ["model.dtype=float32", "device=cpu", "data.turns=single", "data.max_new_tokens=12", "data.batch_size=3"]
+    return settings_from(typed_config(compose(over)), offline_ok=True)
+
+
 def settings_for(target, **kw):
-    return CaptureSettings(target=target, layer_ids=tuple(LAYERS), **{"max_new_tokens": 12, "batch_size": 3, **kw})
+    return replace(config_settings(), **{"target": target, "layer_ids": tuple(LAYERS), "torch_threads": None, **kw})
 
 
 @pytest.mark.parametrize("kind,batch_size", [("llama", None), ("qwen3", None), ("llama", 2), ("qwen3", 3)])
@@ -447,17 +460,11 @@ def test_regenerated_responses_written_as_a_serving_engine_would_capture_back_th
 
 
 def test_batch_settings_take_auto_or_a_number_from_the_command_line():
-    from hydra import compose, initialize_config_dir
-
-    from flashdraft.config import register_configs
+    from entry import compose, typed_config
     from pipeline.__main__ import settings_from
 
-    register_configs()
-    conf = os.path.join(os.path.dirname(__file__), "..", "conf")
-
     def settings(*overrides):
-        with initialize_config_dir(config_dir=os.path.abspath(conf), version_base=None):
-            return settings_from(compose(config_name="config", overrides=list(overrides)), offline_ok=True)
+        return settings_from(typed_config(compose(list(overrides))), offline_ok=True)
 
     default = settings()
     assert (default.batch_size, default.prefill_tokens, default.gpu_memory_fraction) == ("auto", "auto", 0.85)

@@ -171,16 +171,10 @@ def test_stdlib_prompts_do_not_depend_on_what_the_process_imported_or_its_enviro
 
 
 def test_the_full_profile_takes_its_per_source_limits_from_hydra():
-    from pathlib import Path
-
-    from hydra import compose, initialize_config_dir
-
-    from flashdraft.config import register_configs
+    from entry import compose, typed_config
     from pipeline.__main__ import records_from
 
-    register_configs()  # the entry points register the typed schema before composing; so does this test
-    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base=None):
-        cfg = compose(config_name="config", overrides=["data=full"])
+    cfg = typed_config(compose(["data=full"]))  # as the entry point hands it to the stage
     records, _ = records_from(cfg)
     counts = {s: sum(r.source == s for r in records) for s in cfg.data.sources}
     assert {s: counts[s] for s in cfg.data.limit} == dict(cfg.data.limit)

@@ -63,7 +63,7 @@ def test_a_submitted_capture_writes_every_prompt_once_into_the_shared_store(tmp_
         address,
         env,
         f"model.target={target}",
-        "model.layer_ids=[0,1,2]",
+        "drafter.layer_ids=[0,1,2]",
         f"run_dir={run_dir}",
         "cluster.cpus_per_actor=1",
         "cluster.gpus_per_actor=0",

@@ -1,4 +1,4 @@
-"""The target adapter: embedded default, chat template, frozen head, mask token."""
+"""The target adapter: embedded default, chat template, frozen head, mask token, model families."""
 
 import pytest
 import torch
@@ -6,13 +6,16 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from flashdraft.target import (
     EMBEDDED_NAME,
+    GENERIC,
     chat_input_ids,
     choose_mask_token,
+    family_of,
     frozen_head_from_model,
     load_frozen_head,
     load_target,
     load_tokenizer,
     stop_token_ids,
+    text_config,
 )
 
 
@@ -114,6 +117,30 @@ def test_mask_token_choice(smol_tokenizer):
     tok = load_tokenizer(EMBEDDED_NAME)
     assert choose_mask_token(tok, n + 64) == n
     assert tok.convert_ids_to_tokens(n) == "<|MASK|>"
+
+
+def test_a_targets_family_comes_from_one_table_and_decides_its_mask_token_and_checkpoint_names(smol_tokenizer):
+    from transformers import AutoConfig, Qwen3Config
+
+    from flashdraft.target.family import ModelFamily
+
+    llama, qwen3 = family_of(LlamaConfig()), family_of(Qwen3Config())
+    assert (llama.name, qwen3.name) == ("llama", "qwen3") and family_of(AutoConfig.for_model("gpt2")) is GENERIC
+    multimodal = AutoConfig.for_model("qwen3_vl")
+    assert (
+        text_config(multimodal) is multimodal.text_config and text_config(qwen3_config := Qwen3Config()) is qwen3_config
+    )
+    assert family_of(multimodal).decoder_prefix(["model.language_model.layers.0.mlp.up_proj.weight"]) == (
+        "model.language_model."
+    )
+    with pytest.raises(KeyError, match="no decoder layer tensors under"):
+        llama.decoder_prefix(["model.language_model.layers.0.mlp.up_proj.weight"])
+    # SmolLM2 is a Llama: its family's unused specials give the mask; a family without any is refused by name
+    assert smol_tokenizer.convert_ids_to_tokens(choose_mask_token(smol_tokenizer, 49152, family=llama)) == (
+        "<empty_output>"
+    )
+    with pytest.raises(ValueError, match="none of the bare family's unused special tokens"):
+        choose_mask_token(smol_tokenizer, 49152, family=ModelFamily("bare", ("bare",)))
 
 
 def test_unreachable_hub_target_fails_fast():

@@ -16,7 +16,7 @@ from harness.__main__ import run
 from harness.evaluate import build_prompts
 from pipeline.__main__ import thinking_settings
 from pipeline.job import load_records
-from tests.test_harness_cli import compose_config, overrides
+from tests.test_harness_cli import eval_settings, overrides
 from tests.test_pipeline import fleet_run, write_jsonl
 from tests.test_speculative import one_thread, tiny_target  # noqa: F401 (one_thread: autouse fixture)
 
@@ -67,8 +67,8 @@ def test_settings_name_the_modes():
     assert thinking_setting("False", "data.thinking", ("on", "off", "mixed")) == "off"
     with pytest.raises(ValueError, match="eval.thinking"):
         thinking_setting("mixed", "eval.thinking", ("on", "off", "both"))
-    assert thinking_settings(None, None, 0.5) == {"enable_thinking": None}
-    assert thinking_settings(True, "off", 0.5) == {"enable_thinking": False}
+    assert thinking_settings(None, None, 0.5) == {"enable_thinking": None, "thinking_share": None}
+    assert thinking_settings(True, "off", 0.5) == {"enable_thinking": False, "thinking_share": None}
     assert thinking_settings(None, "mixed", 0.25) == {"enable_thinking": None, "thinking_share": 0.25}
 
 
@@ -126,7 +126,7 @@ def test_harness_reports_tau_per_mode_and_stays_lossless_in_each(qwen3_dir, tmp_
         "eval.limit=1",
         "eval.turns=single",
     )
-    report = run(compose_config(over))
+    report = run(eval_settings(over))
     dflash = report["methods"]["dflash"]
     assert set(dflash["by_thinking"]) == {"on", "off"}
     for mode in ("on", "off"):
@@ -135,7 +135,7 @@ def test_harness_reports_tau_per_mode_and_stays_lossless_in_each(qwen3_dir, tmp_
     lines = [json.loads(x) for x in (tmp_path / "eval" / "runs.jsonl").read_text().splitlines()]
     assert sorted(x["thinking"] for x in lines) == [False, False, True, True]
     assert "## thinking on" in (tmp_path / "eval" / "report.md").read_text()
-    again = run(compose_config(over))
+    again = run(eval_settings(over))
     assert again["settings"]["resumed_prompts"] == 4
 
 
@@ -145,7 +145,7 @@ def test_both_modes_with_second_turns_resume_by_mode_and_turn(qwen3_dir, tmp_pat
     over = overrides(
         qwen3_dir, tmp_path, "eval.thinking=both", "eval.methods=[plain,dflash]", "eval.block_size=4", "eval.limit=1"
     )
-    report = run(compose_config(over))
+    report = run(eval_settings(over))
     dflash = report["methods"]["dflash"]
     for mode in ("on", "off"):
         assert dflash["by_thinking"][mode]["prompts"] == 3  # humaneval, MT-Bench turn 1 and turn 2
@@ -155,4 +155,4 @@ def test_both_modes_with_second_turns_resume_by_mode_and_turn(qwen3_dir, tmp_pat
     assert keys == sorted(
         [("humaneval", m, 1) for m in (False, True)] + [("mtbench", m, t) for m in (False, True) for t in (1, 2)]
     )
-    assert run(compose_config(over))["settings"]["resumed_prompts"] == 6
+    assert run(eval_settings(over))["settings"]["resumed_prompts"] == 6

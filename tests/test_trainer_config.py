@@ -6,22 +6,22 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
-from omegaconf import OmegaConf
 
-from flashdraft.config import register_configs
+from entry import register_configs, typed_config
 from trainer.__main__ import train_config
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 
 
 def composed(*overrides):
+    """The config as the trainer's entry point hands it on: composed, then typed once."""
     register_configs()
     with initialize_config_dir(config_dir=CONF, version_base=None):
-        return compose(config_name="config", overrides=list(overrides))
+        return typed_config(compose(config_name="config", overrides=list(overrides)))
 
 
 def drafter_config(cfg):
-    return OmegaConf.to_object(cfg.drafter)
+    return cfg.drafter
 
 
 def test_cpu_profile_is_the_default_and_follows_the_model():

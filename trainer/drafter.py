@@ -1,7 +1,8 @@
 """The drafter a run trains: its spec, made here once from the feature stores and the config, and its first weights.
 
 The target layer ids come from the stores' manifests (the layers the pipeline captured), optionally narrowed by
-`layer_ids`; block size, depth and MLP width from the drafter config; the mask token from the target's tokenizer.
+`drafter.layer_ids`; block size, depth and MLP width from the drafter settings (`DraftSpec.from_settings`); the mask
+token from the target's tokenizer.
 The spec goes into the drafter's config.json, from which everything after training reads it.
 """
 
@@ -11,9 +12,16 @@ from pathlib import Path
 
 from flashdraft.config import DrafterConfig, TrainConfig
 from flashdraft.model import DFlashDrafter
-from flashdraft.spec import DraftSpec, text_config
+from flashdraft.spec import DraftSpec
 from flashdraft.store import read_manifest
-from flashdraft.target import choose_mask_token, load_tokenizer, read_target_tensors, target_fingerprint
+from flashdraft.target import (
+    choose_mask_token,
+    family_of,
+    load_tokenizer,
+    read_target_tensors,
+    target_fingerprint,
+    text_config,
+)
 from trainer.store_check import check_store, store_layer_ids
 
 
@@ -24,13 +32,8 @@ def drafter_spec(cfg: TrainConfig, drafter: DrafterConfig, target_config) -> Dra
     fingerprint = target_fingerprint(cfg.target) if cfg.check_target else None
     for path, manifest in manifests.items():
         check_store(path, manifest, hidden_size=tc.hidden_size, vocab_size=tc.vocab_size, target=fingerprint)
-    return DraftSpec(
-        target_layer_ids=store_layer_ids(manifests, drafter.layer_ids),
-        mask_token_id=choose_mask_token(load_tokenizer(cfg.target), tc.vocab_size),
-        block_size=drafter.block_size,
-        num_draft_layers=drafter.num_layers,
-        intermediate_size=drafter.intermediate_size,
-    )
+    mask_token_id = choose_mask_token(load_tokenizer(cfg.target), tc.vocab_size, family=family_of(target_config))
+    return DraftSpec.from_settings(drafter, store_layer_ids(manifests, drafter.layer_ids), mask_token_id)
 
 
 def init_weights(model: DFlashDrafter, init: str, target: str, target_config) -> None:
@@ -42,7 +45,7 @@ def init_weights(model: DFlashDrafter, init: str, target: str, target_config) ->
         tensors = read_target_tensors(
             target, lambda name: name.endswith("norm.weight") or any(w in name for w in wanted)
         )
-        model.init_from_target(tensors, prefix=_layer_prefix(tensors))
+        model.init_from_target(tensors, prefix=family_of(target_config).decoder_prefix(tensors))
     elif init != "random":
         init_from_drafter(model, init)
 
@@ -60,11 +63,3 @@ def init_from_drafter(drafter: DFlashDrafter, path) -> None:
             f"tensors differ, first {wrong[0]!r})"
         )
     drafter.load_state_dict(theirs)
-
-
-def _layer_prefix(tensors: dict) -> str:
-    """'model.' for Llama/Qwen3 checkpoints, 'model.language_model.' for multimodal wrappers."""
-    for name in tensors:
-        if ".layers." in name:
-            return name[: name.index("layers.")]
-    raise KeyError("the target checkpoint has no decoder layer tensors")

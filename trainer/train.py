@@ -19,8 +19,8 @@ from tqdm import tqdm
 
 from flashdraft.config import DrafterConfig, TrainConfig
 from flashdraft.model import DFlashDrafter
-from flashdraft.spec import DraftSpec, text_config
-from flashdraft.target import load_config, load_frozen_head
+from flashdraft.spec import DraftSpec
+from flashdraft.target import load_config, load_frozen_head, text_config
 from trainer.checkpoint import export_drafter, latest_tag, load_checkpoint, read_client_state, save_checkpoint
 from trainer.data import Plan, Prefetcher, TrainingData
 from trainer.drafter import drafter_spec, init_weights

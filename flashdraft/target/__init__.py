@@ -1,9 +1,9 @@
 """The target model: loading and resolution (`load`), tokenizer and chat (`chat`), frozen embedding and head
-(`head`), hidden-state capture (`capture`), CPU probes and dtypes (`cpu`), exact verification (`exact`)."""
+(`head`), what differs between model families (`family`), hidden-state capture (`capture`), CPU probes and dtypes
+(`cpu`), exact verification (`exact`)."""
 
 from flashdraft.target.capture import LayerTap, capture_features
 from flashdraft.target.chat import (
-    MASK_TOKEN,
     chat_input_ids,
     chat_template_hash,
     chat_text,
@@ -19,7 +19,9 @@ from flashdraft.target.exact import (
     exact_gemm_rows,
     make_verification_exact,
     needs_exact_verification,
+    resolve_exact,
 )
+from flashdraft.target.family import FAMILIES, GENERIC, SPARE_ROW_MASK_TOKEN, ModelFamily, family_of, text_config
 from flashdraft.target.head import FrozenHead, frozen_head_from_model, load_frozen_head, read_target_tensors
 from flashdraft.target.load import (
     EMBEDDED_NAME,
@@ -34,7 +36,12 @@ __all__ = [
     "EMBEDDED_NAME",
     "EXACT_ATTENTION",
     "EXACT_ATTENTION_FP32",
-    "MASK_TOKEN",
+    "FAMILIES",
+    "GENERIC",
+    "SPARE_ROW_MASK_TOKEN",
+    "ModelFamily",
+    "family_of",
+    "text_config",
     "FrozenHead",
     "LayerTap",
     "capture_features",
@@ -55,6 +62,7 @@ __all__ = [
     "load_tokenizer",
     "make_verification_exact",
     "needs_exact_verification",
+    "resolve_exact",
     "read_target_tensors",
     "resolve_dtype",
     "resolve_target",

@@ -4,26 +4,12 @@ from __future__ import annotations
 
 import hashlib
 
-MASK_TOKEN = "<|MASK|>"
+from flashdraft.target.family import GENERIC, SPARE_ROW_MASK_TOKEN, ModelFamily
 
 
-def chat_input_ids(
-    tokenizer,
-    messages: list[dict],
-    *,
-    add_generation_prompt: bool = True,
-    enable_thinking: bool | None = None,
-    system_prompt: str | None = None,
-) -> list[int]:
-    """Token ids of `messages` rendered by the tokenizer's chat template (`chat_text`)."""
-    text = chat_text(
-        tokenizer,
-        messages,
-        add_generation_prompt=add_generation_prompt,
-        enable_thinking=enable_thinking,
-        system_prompt=system_prompt,
-    )
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+def chat_input_ids(tokenizer, messages: list[dict], **options) -> list[int]:
+    """Token ids of `messages` rendered by the tokenizer's chat template (`chat_text`, which takes the `options`)."""
+    return tokenizer(chat_text(tokenizer, messages, **options), add_special_tokens=False)["input_ids"]
 
 
 def template_takes_thinking(tokenizer) -> bool:
@@ -70,15 +56,15 @@ def chat_template_hash(tokenizer) -> str:
     return hashlib.sha256(str(getattr(tokenizer, "chat_template", "") or "").encode()).hexdigest()
 
 
-def choose_mask_token(tokenizer, vocab_size: int, drafter_config=None) -> int:
+def choose_mask_token(tokenizer, vocab_size: int, drafter_config=None, family: ModelFamily = GENERIC) -> int:
     """Pick the id the drafter uses for masked block positions.
 
     1. The drafter config's `dflash_config.mask_token_id`, if any.
     2. The tokenizer's own mask token.
-    3. A spare row of a padded embedding (vocab_size > len(tokenizer)): `<|MASK|>` is added to the
-       tokenizer and lands on the first spare row, as in the published Qwen3 drafters (151669).
-    4. Otherwise a reserved special token the chat template never emits. Adding a row to the
-       embedding instead would add a logit to a tied output head and change the target.
+    3. A spare row of a padded embedding (vocab_size > len(tokenizer)): `SPARE_ROW_MASK_TOKEN` is added to the
+       tokenizer and lands on the first spare row, as in the published Qwen3 drafters.
+    4. Otherwise an unused special token of the target's family (`ModelFamily.mask_tokens`) the chat template never
+       emits. Adding a row to the embedding instead would add a logit to a tied output head and change the target.
     """
     dcfg = getattr(drafter_config, "dflash_config", None) or {}
     if dcfg.get("mask_token_id") is not None:
@@ -86,22 +72,17 @@ def choose_mask_token(tokenizer, vocab_size: int, drafter_config=None) -> int:
     if getattr(tokenizer, "mask_token_id", None) is not None and tokenizer.mask_token_id < vocab_size:
         return int(tokenizer.mask_token_id)
     if len(tokenizer) < vocab_size:
-        tokenizer.add_special_tokens({"mask_token": MASK_TOKEN})
-        return int(tokenizer.convert_tokens_to_ids(MASK_TOKEN))
-    vocab = tokenizer.get_vocab()
+        tokenizer.add_special_tokens({"mask_token": SPARE_ROW_MASK_TOKEN})
+        return int(tokenizer.convert_tokens_to_ids(SPARE_ROW_MASK_TOKEN))
     template = str(getattr(tokenizer, "chat_template", "") or "")
     used = {tokenizer.eos_token, tokenizer.bos_token, tokenizer.pad_token, tokenizer.unk_token}
-    reserved = sorted(
-        (i, t)
-        for t, i in vocab.items()
-        if "reserved" in t and t.startswith("<") and t not in template and t not in used
-    )
-    if reserved:
-        return reserved[0][0]
-    for token in ("<empty_output>", "<jupyter_script>", "<issue_closed>"):
-        if token in vocab and token not in template:
-            return vocab[token]
+    free = {t: i for t, i in tokenizer.get_vocab().items() if t not in template and t not in used}
+    for start in family.mask_tokens:
+        ids = sorted(i for t, i in free.items() if t.startswith(start))
+        if ids:
+            return ids[0]
     raise ValueError(
-        "no mask token: the tokenizer has none, the embedding has no spare row and no reserved "
-        "special token was found; set dflash_config.mask_token_id in the drafter config"
+        f"no mask token: the tokenizer has none, the embedding has no spare row and none of the {family.name} "
+        f"family's unused special tokens {list(family.mask_tokens)} was found; set dflash_config.mask_token_id in "
+        "the drafter config"
     )

@@ -1,10 +1,11 @@
-"""Exact verification on CPU: a k-token forward that gives bit for bit the logits of k one-token forwards.
+"""Exact verification: a k-token forward that gives bit for bit the logits of k one-token forwards, on any device.
 
-Neither holds by itself on CPU: a GEMM over 1 row and over 16 rows may take different kernels whose results
-differ in the last bit, and so does attention over 1 vs k queries. `make_verification_exact` therefore tiles
-every linear layer (a short tile zero-padded to the rows whose kernel every longer tile shares,
-`exact_base_rows`) and runs attention one query row at a time (`rowwise_attention`). Used by the harness and
-the benchmarks; CUDA keeps plain SDPA (`needs_exact_verification`).
+Neither holds by itself on a CPU or a GPU: a GEMM over 1 row and over 16 rows may take different kernels whose
+results differ in the last bit, and so does attention over 1 vs k queries. `make_verification_exact` therefore tiles
+every linear layer (a short tile zero-padded to the rows whose kernel every longer tile shares, `exact_base_rows`,
+probed on the weights' own device) and runs attention one query row at a time (`rowwise_attention`), both through
+the same torch calls a one-token step makes on that device. Used by the harness (`eval.exact`, `resolve_exact`) and
+the benchmarks.
 """
 
 from __future__ import annotations
@@ -223,19 +224,25 @@ def make_verification_exact(model, rows: int = 16, fp32_attention: bool | None =
     (`rowwise_attention`). Longer inputs (prefills) run tile by tile, so they are exact too: transformers' prompt
     lookup verifies its first candidates inside the prefill.
 
-    `fp32_attention` (None: on CPUs without AMX) runs a low-precision model's row-wise attention in float32:
-    there CPU SDPA in bf16 costs several times a float32 call for one query row, and a verify forward makes one
-    call per row and layer."""
+    `fp32_attention` (None: `upcasts_attention`) runs a low-precision model's row-wise attention in float32: on CPUs
+    without AMX, bf16 SDPA costs several times a float32 call for one query row, and a verify forward makes one call
+    per row and layer."""
     for module in model.modules():
         if isinstance(module, nn.Linear):
             module.exact_rows = rows
             module.forward = _row_exact_linear.__get__(module)
             module._exact_base = torch.get_num_threads(), _base_rows(module)
     if fp32_attention is None:
-        fp32_attention = not cpu_has_bf16_tiles()
+        fp32_attention = upcasts_attention(model.device)
     upcast = fp32_attention and model.dtype != torch.float32
     model.config._attn_implementation = EXACT_ATTENTION_FP32 if upcast else EXACT_ATTENTION
     return model
+
+
+def upcasts_attention(device) -> bool:
+    """Whether row-wise attention runs in float32 by default on `device`: on CPUs without AMX bf16 tiles (there
+    float32 SDPA is the faster one for one query row); never on a GPU, whose bf16 kernels are the fast ones."""
+    return torch.device(device).type == "cpu" and not cpu_has_bf16_tiles()
 
 
 def exact_gemm_rows(model) -> dict[str, int]:
@@ -247,8 +254,33 @@ def exact_gemm_rows(model) -> dict[str, int]:
     }
 
 
+EXACT_SETTINGS = ("auto", "on", "off")
+
+
 def needs_exact_verification(dtype: torch.dtype, device) -> bool:
-    """CPU, every dtype: in bf16 SDPA and eager attention flip argmaxes after a few hundred tokens, and on some CPUs
-    float32 GEMMs give a row other bits next to other rows than alone, so the target needs
-    `make_verification_exact`; CUDA keeps plain SDPA."""
-    return torch.device(device).type == "cpu"
+    """Whether greedy speculative output needs `make_verification_exact` to equal plain greedy decoding token for
+    token on `device` in `dtype`. Every device and dtype do: on a CPU, bf16 SDPA and eager attention flip argmaxes
+    after a few hundred tokens and some CPUs' float32 GEMMs give a row other bits next to other rows than alone; on
+    CUDA a one-token step and a k-token verify take other GEMM tiles (cuBLAS picks them by row count) and other
+    attention kernels (flash/memory-efficient SDPA by query count), which in bf16 part greedy outputs after near-ties
+    and in float32 reorder sums as well."""
+    torch.device(device)  # a bad device name fails here, by name
+    return True
+
+
+def resolve_exact(setting: str, dtype: torch.dtype, device, *, greedy: bool) -> tuple[bool, str]:
+    """(exact verification on?, why) for `eval.exact` = auto | on | off. auto: on where greedy decoding is compared
+    token for token with plain decoding and the device needs it (`needs_exact_verification`: every device and dtype
+    today); off when sampling, where outputs are compared in distribution, never token for token, so the target's own
+    kernels decode as a user's would. on/off: as set (off: every method runs the target's own kernels, the speed a
+    user gets; greedy outputs may then part from plain decoding's at a near-tie)."""
+    setting = str(setting).lower()
+    if setting not in EXACT_SETTINGS:
+        raise ValueError(f"eval.exact must be one of {', '.join(EXACT_SETTINGS)}, got {setting!r}")
+    if setting != "auto":
+        return setting == "on", f"eval.exact={setting}"
+    device = torch.device(device)
+    if not greedy:
+        return False, "auto: sampling (outputs compared in distribution, not token for token)"
+    exact = needs_exact_verification(dtype, device)
+    return exact, f"auto: greedy on {device.type} in {str(dtype).removeprefix('torch.')}"

@@ -11,10 +11,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from flashdraft.target.load import resolve_target
-
-_EMBED_KEYS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight", "embed_tokens.weight")
-_HEAD_KEYS = ("lm_head.weight",)
+from flashdraft.target.family import family_of
+from flashdraft.target.load import load_config, resolve_target
 
 
 @dataclass
@@ -77,19 +75,20 @@ def read_target_tensors(name_or_path: str, names, dtype: torch.dtype = torch.flo
 def load_frozen_head(name_or_path: str, dtype: torch.dtype = torch.float32) -> FrozenHead:
     """Read only the embedding and output-head tensors from a target folder's safetensors."""
     folder, weight_map = _target_folder_and_weights(name_or_path)
+    family = family_of(load_config(str(folder)))
 
     def read(keys):
         found = read_target_tensors(name_or_path, [k for k in keys if k in weight_map][:1], dtype)
         return next(iter(found.values()), None)
 
-    embed_w = read(_EMBED_KEYS)
+    embed_w = read(family.embed_keys())
     if embed_w is None:
-        raise KeyError(f"{folder}: no input embedding among {_EMBED_KEYS}")
-    head_w = read(_HEAD_KEYS)
+        raise KeyError(f"{folder}: no input embedding among {list(family.embed_keys())} ({family.name} family)")
+    head_w = read((family.head_key,))
     config = json.loads((folder / "config.json").read_text())
     if head_w is None:
         if not config.get("tie_word_embeddings", True):
-            raise KeyError(f"{folder}: no lm_head.weight and embeddings are not tied")
+            raise KeyError(f"{folder}: no {family.head_key} and embeddings are not tied")
         head_w = embed_w
     embed = nn.Embedding.from_pretrained(embed_w, freeze=True)
     lm_head = nn.Linear(head_w.shape[1], head_w.shape[0], bias=False)

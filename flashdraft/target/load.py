@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from flashdraft.hub import hub_unreachable_reason
+from flashdraft.target.family import text_config
 
 EMBEDDED_NAME = "smollm2-135m"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -110,7 +111,7 @@ def load_config(name_or_path: str, trust_remote_code: bool = False):
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(resolve_reachable(name_or_path), trust_remote_code=trust_remote_code)
-    return getattr(config, "text_config", None) or config
+    return text_config(config)
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
@@ -120,18 +121,25 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
 
 
 def load_target(name_or_path: str, dtype: torch.dtype = torch.float32, device="cpu", trust_remote_code: bool = False):
-    """Load (model, tokenizer), model in eval mode with gradients off."""
+    """Load (model, tokenizer), model in eval mode with gradients off. Off the CPU the weights go straight from the
+    checkpoint to `device` (`device_map`), never staged whole in host memory first (an 8B target in bf16 would hold
+    ~16 GB of host RAM per capture actor); on the CPU the device is the host, and a plain load peaks lower
+    (benchmarks/bench_load.py)."""
     from transformers import AutoModelForCausalLM
 
-    path = resolve_reachable(name_or_path)
+    path, device = resolve_reachable(name_or_path), torch.device(device)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa"
+            path,
+            dtype=dtype,
+            trust_remote_code=trust_remote_code,
+            attn_implementation="sdpa",
+            **({} if device.type == "cpu" else {"device_map": {"": device}}),
         )
     except OSError as e:
         raise OSError(f"cannot load target {name_or_path!r}: {e}") from e
     tokenizer = load_tokenizer(name_or_path, trust_remote_code)
-    model.to(device).eval().requires_grad_(False)
+    model.to(device).eval().requires_grad_(False)  # a no-op where device_map placed it
     head = model.get_output_embeddings()
     if head is not None:
         head.register_forward_pre_hook(_dense_head_input)

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flashdraft.target.family import text_config
+
 CACHE_HEADROOM = 0.25  # the decode cache's spare capacity, a share of its length (pipeline.capture._GrowingLayer)
 DEFAULT_FRACTION = 0.85  # of the free memory; the rest absorbs allocator fragmentation and what is not counted
 MAX_DECODE_ROWS = 512  # beyond this a decode step is bound by reading the cache, not the weights: no gain
@@ -44,30 +46,26 @@ def dtype_bytes(dtype) -> int:
     return dtype.itemsize
 
 
-def _text_config(config):
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
 def head_dim(config) -> int:
-    c = _text_config(config)
+    c = text_config(config)
     return int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
 
 
 def kv_bytes_per_token(config, dtype) -> int:
     """Keys and values of one token in every layer: 2 x layers x KV heads x head dim x dtype bytes."""
-    c = _text_config(config)
+    c = text_config(config)
     kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     return 2 * c.num_hidden_layers * kv_heads * head_dim(c) * dtype_bytes(dtype)
 
 
 def logits_bytes_per_row(config) -> int:
     """One decode step's last-position logits of a row, float32, and their softmax: vocab x 4 x 2."""
-    return _text_config(config).vocab_size * 4 * 2
+    return text_config(config).vocab_size * 4 * 2
 
 
 def prefill_bytes_per_token(config, dtype, captured_layers: int, max_length: int) -> int:
     """The activations one token of a cache-free prefill holds at its peak (see the module's note)."""
-    c = _text_config(config)
+    c = text_config(config)
     kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     layer = 4 * c.hidden_size + 2 * (c.num_attention_heads + 2 * kv_heads) * head_dim(c) + 3 * c.intermediate_size
     captured = 2 * captured_layers * c.hidden_size
@@ -77,7 +75,7 @@ def prefill_bytes_per_token(config, dtype, captured_layers: int, max_length: int
 
 def teacher_bytes(config, dtype, max_length: int) -> int:
     """Capture with a teacher top-k: one sequence's [S, vocab] logits at a time, in the dtype then float32 twice."""
-    return max_length * _text_config(config).vocab_size * (dtype_bytes(dtype) + 8)
+    return max_length * text_config(config).vocab_size * (dtype_bytes(dtype) + 8)
 
 
 def size(n: float) -> str:
