@@ -4,13 +4,30 @@ MODEL ?= smollm2-135m
 PY ?= .venv/bin/python
 ARGS ?=
 
-.PHONY: setup features train eval export-gguf llamacpp bench-llamacpp quick full demo test lint clean
+.PHONY: setup features train eval export-gguf llamacpp bench-llamacpp quick full demo test lint clean wheelhouse
 
 .venv/.installed: pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
 	@touch $@
 
 setup: .venv/.installed
+
+# Wheels of every dependency but torch, at .venv's versions, for nodes with no index (scripts/setup.sh --wheelhouse
+# DIR), for PYTHON_VERSION (default .venv's) on x86_64 Linux with glibc GLIBC or newer, into wheelhouse/cpXY/; and
+# into wheelhouse/cpXY-smoke/ the ~30 MiB jobs/gpu_smoke.sh needs beside a machine's own torch and transformers.
+# SET=smoke writes the smoke's alone:  make wheelhouse SET=smoke PYTHON_VERSION=3.12
+SET ?= full
+GLIBC ?= 2.28
+PYTHON_VERSION ?= $(shell $(PY) -c 'import sys; print(f"{sys.version_info.major}.{sys.version_info.minor}")' 2>/dev/null)
+WHEELHOUSE_DIR = wheelhouse/cp$(subst .,,$(PYTHON_VERSION))
+ifeq ($(filter $(SET),full smoke),)
+$(error SET=$(SET): use full or smoke)
+endif
+wheelhouse: setup
+	$(if $(filter full,$(SET)),$(PY) scripts/wheelhouse.py $(WHEELHOUSE_DIR) --set full \
+		--python-version $(PYTHON_VERSION) --glibc $(GLIBC))
+	$(PY) scripts/wheelhouse.py $(WHEELHOUSE_DIR)-smoke --set smoke --python-version $(PYTHON_VERSION) \
+		--glibc $(GLIBC) $(if $(filter full,$(SET)),--reuse $(WHEELHOUSE_DIR))
 
 # CLUSTER=slurm submits `make features` and `make train` with sbatch (jobs/slurm_submit.sh: jobs/*.sbatch, log in
 # logs/<job name>-<id>.out) on NODES nodes with CPUS_PER_NODE CPUs and GPUS_PER_NODE GPUs each (default: the most

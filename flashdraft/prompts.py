@@ -441,6 +441,14 @@ def _source_records(source: str, heldout_fraction: float, rejects: list):
     raise ValueError(f"unknown prompt source {source!r}; known: {known}")
 
 
+def check_limit(limit, key: str = "limit") -> int | None:
+    """`limit` as a cap on records: a count (0 or more) or None; anything else is refused naming `key` (the
+    setting it came from, e.g. data.limit)."""
+    if limit is None or (isinstance(limit, int) and not isinstance(limit, bool) and limit >= 0):
+        return limit
+    raise ValueError(f"{key} must be a number of records (0 or more) or null, got {limit!r}")
+
+
 def load_prompts(
     source: str,
     *,
@@ -455,6 +463,7 @@ def load_prompts(
     other split that were read before `limit` was reached go to `outside_split` where given (to count them)."""
     if split not in (None, "all", "train", "heldout"):
         raise ValueError(f"split must be train, heldout or all, got {split!r}")
+    check_limit(limit)
     out = []
     for record in iter_prompts(source, heldout_fraction=heldout_fraction, rejects=rejects, seen=seen):
         if split in (None, "all") or record.split == split:

@@ -1,15 +1,18 @@
 """PNG pictures for the eval report: acceptance-length histograms per prompt set, and the trainer's loss and
-offline-tau curves. Plain data in, a PNG out; matplotlib's Agg canvas on a bare Figure (no pyplot state)."""
+offline-tau curves. Plain data in, a PNG out; matplotlib's Agg canvas on a bare Figure (no pyplot state).
+matplotlib is imported where a picture is drawn, so the harness runs where it is not installed (jobs/gpu_smoke.sh's
+wheelhouse leaves it out); the caller then reports the pictures as not drawn."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-from matplotlib import ticker
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 from harness.methods import DRAWN_METHODS, METHODS
 
@@ -30,6 +33,8 @@ def acceptance_lengths_by_source(records, methods=DRAWN_METHODS) -> dict[str, di
 
 
 def _save(fig: Figure, path) -> Path:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     FigureCanvasAgg(fig)
@@ -45,6 +50,8 @@ def plot_acceptance(lengths_by_source: dict[str, dict[str, list[int]]], block_si
     panels = {s: per for s, per in panels.items() if per}
     if not panels:
         return None
+    from matplotlib.figure import Figure
+
     top = max([block_size, *(max(v) for per in panels.values() for v in per.values())])
     x = np.arange(1, top + 1)
     ncols = min(len(panels), 3)
@@ -91,6 +98,9 @@ def plot_training(rows: list[dict], path, *, served_tau: float | None = None) ->
     evals = [r for r in rows if r.get("eval/loss") is not None or r.get("eval/tau") is not None]
     if not train and not evals:
         return None
+    from matplotlib import ticker
+    from matplotlib.figure import Figure
+
     window = max(1, len(train) // 20)
     fig = Figure(figsize=(11, 4), layout="constrained")
     ax_loss, ax_tau = fig.subplots(1, 2)

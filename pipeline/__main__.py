@@ -3,6 +3,7 @@
 python -m pipeline model=smollm2-135m data.limit=8          # capture (resumes if rerun)
 python -m pipeline estimate data=nemotron model=qwen3-8b     # bytes, shards, files, GPU-hours (offline too)
 python -m pipeline verify runs/smollm2-135m/features        # check a store; exit 1 on a problem
+python -m pipeline repair runs/smollm2-135m/features        # drop listed shards missing on disk (rerun recaptures)
 python -m pipeline paths run_dir=/shared/runs/qwen3-8b       # where a cluster job writes; exit 1 if relative
 """
 
@@ -28,6 +29,7 @@ from flashdraft.prompts import PromptSourceUnavailable  # noqa: E402
 from flashdraft.spec import capture_layer_ids, check_layer_ids, default_layer_ids  # noqa: E402
 from flashdraft.store import StoreError, StoreLayout, verify_store  # noqa: E402
 from flashdraft.store.lock import writer_lock  # noqa: E402
+from flashdraft.store.repair import drop_missing_shards  # noqa: E402
 from pipeline.fleet import FleetConfig, run_fleet  # noqa: E402
 from pipeline.job import (  # noqa: E402
     estimate,
@@ -281,6 +283,25 @@ def verify_command(argv: list[str]) -> int:
     return 0
 
 
+def repair_command(argv: list[str]) -> int:
+    """Drop the manifest entries of listed shards missing on disk; the next capture recaptures their prompts."""
+    if len(argv) != 1:
+        print("usage: python -m pipeline repair STORE_DIR", file=sys.stderr)
+        return 2
+    try:
+        dropped = drop_missing_shards(argv[0])
+    except StoreError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for e in dropped:
+        print(f"dropped {e['name']} ({e['sequences']} sequences, {len(e.get('rejects', []))} rejects): {e['why']}")
+    print(
+        f"{argv[0]}: {len(dropped)} shard entr{'y' if len(dropped) == 1 else 'ies'} dropped"
+        + ("; run the same capture command again to recapture their prompts" if dropped else ", nothing to repair")
+    )
+    return 0
+
+
 def paths_command(overrides: list[str]) -> int:
     """Print the output paths the overrides give; exit 1 naming any relative one (or a bad override).
     `jobs/ray_submit.sh` asks before it submits. The config is composed without a Hydra run: nothing is written."""
@@ -314,6 +335,8 @@ def main() -> None:
     argv = sys.argv[1:]
     if argv and argv[0] == "verify":
         sys.exit(verify_command(argv[1:]))
+    if argv and argv[0] == "repair":
+        sys.exit(repair_command(argv[1:]))
     if argv and argv[0] == "paths":
         sys.exit(paths_command(argv[1:]))
     command = capture_command

@@ -328,6 +328,7 @@ def _ray_up(fleet: FleetConfig):
     if ray.is_initialized():
         yield
     elif fleet.ray_address:
+        print(f"Ray: joining the cluster at {fleet.ray_address} (cluster.ray_address)", flush=True)
         ray.init(address=fleet.ray_address, **kwargs)
         try:
             yield

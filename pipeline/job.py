@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
-from flashdraft.prompts import DEFAULT_HELDOUT_FRACTION, load_prompts
+from flashdraft.prompts import DEFAULT_HELDOUT_FRACTION, check_limit, load_prompts
 from flashdraft.store import StoreLayout, StoreWriter, bytes_per_token, files_per_shard
 from flashdraft.target import chat_input_ids, chat_template_hash, load_config, load_tokenizer, target_fingerprint
 from pipeline.worker import CaptureSettings
@@ -56,8 +56,8 @@ def source_limit(sources, limit: int | Mapping | None, source) -> int | None:
         unknown = sorted(set(map(str, limit)) - set(map(str, sources)))
         if unknown:
             raise ValueError(f"data.limit names sources that data.sources does not list: {unknown}")
-        return limit.get(str(source))
-    return limit
+        return check_limit(limit.get(str(source)), f"data.limit.{source}")
+    return check_limit(limit, "data.limit")
 
 
 def target_config(target: str, trust_remote_code: bool = False):

@@ -5,6 +5,10 @@ agents then listen on every interface (Ray's gRPC servers bind to 0.0.0.0 unless
 and anyone who reaches the machine can submit code. Ray's single-machine switch (the one it uses on macOS and
 Windows) makes the node address 127.0.0.1, and then every server, agent and metrics port binds to loopback.
 
+A plain `ray.init()` joins the cluster in RAY_ADDRESS or the one a `ray start` recorded in Ray's temp folder
+(`ray_current_cluster`, left behind by any earlier job), and then refuses `num_cpus`. The local instance is
+asked for by `address="local"`: it is started whatever the machine remembers, and says what it ignored.
+
 After a SIGKILLed driver, gcs_server and raylet die with it, but the dashboard and runtime-env agents first wait
 out a 60 s error report to the dead GCS: a minute or more, still listening. So a small watchdog process notes the
 driver's descendants while it runs and stops those still there when the driver's pipe to it closes: at the end
@@ -25,6 +29,7 @@ import psutil
 
 LOOPBACK_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": node address 127.0.0.1 (read by every Ray process)
 WATCH_INTERVAL_S = 0.5
+RAY_ADDRESS = "RAY_ADDRESS"  # the cluster a plain ray.init() joins
 
 
 def stop_processes(procs: list[psutil.Process], grace_s: float = 3.0) -> None:
@@ -69,28 +74,57 @@ def _start_watchdog() -> subprocess.Popen:
     )
 
 
+def remembered_clusters() -> list[str]:
+    """The clusters a plain `ray.init()` on this machine would join instead of starting its own Ray: RAY_ADDRESS,
+    and the address a `ray start` left in Ray's temp folder (`ray_current_cluster`, often of a long-gone job)."""
+    from ray._common.utils import get_ray_address_file
+
+    found = []
+    if os.environ.get(RAY_ADDRESS):
+        found.append(f"RAY_ADDRESS={os.environ[RAY_ADDRESS]}")
+    address_file = get_ray_address_file(None)
+    try:
+        with open(address_file) as f:
+            remembered = f.read().strip()
+    except OSError:
+        remembered = ""
+    if remembered:
+        found.append(f"{remembered} in {address_file}")
+    return found
+
+
 @contextmanager
 def local_ray(**init_kwargs):
-    """`ray.init(**init_kwargs)` as a local instance on 127.0.0.1, stopped (all of it) when the block ends or the
-    driver dies. RAY_AUTH_MODE stays as the user set it; unset, it is `disabled` (no token file written to the home
-    folder: nothing listens off loopback)."""
+    """`ray.init(address="local", **init_kwargs)`: a new local instance on 127.0.0.1, whatever cluster the machine
+    remembers (`remembered_clusters`, ignored and said so), stopped (all of it) when the block ends or the driver
+    dies. RAY_AUTH_MODE stays as the user set it; unset, it is `disabled` (no token file written to the home folder:
+    nothing listens off loopback)."""
     import ray
     from ray._private import ray_constants
 
+    ignored = remembered_clusters()
+    print(
+        "Ray: a local instance on 127.0.0.1, started for this run"
+        + (f" (not joining {' or '.join(ignored)}; cluster=ray joins a cluster)" if ignored else ""),
+        flush=True,
+    )
     watchdog = _start_watchdog()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     saved_env, saved_switch = os.environ.get(LOOPBACK_SWITCH), ray_constants.ENABLE_RAY_CLUSTER
+    saved_address = os.environ.pop(RAY_ADDRESS, None)  # not inherited by the instance's processes either
     os.environ[LOOPBACK_SWITCH] = "0"  # for the processes ray.init starts
     ray_constants.ENABLE_RAY_CLUSTER = False  # this process read the switch when it imported ray
     try:
         try:
-            ray.init(**init_kwargs)
+            ray.init(address="local", **init_kwargs)  # "local": never RAY_ADDRESS nor ray_current_cluster
         finally:  # the switch is for the instance's processes (started by now), not for a later cluster driver
             ray_constants.ENABLE_RAY_CLUSTER = saved_switch
             if saved_env is None:
                 os.environ.pop(LOOPBACK_SWITCH, None)
             else:
                 os.environ[LOOPBACK_SWITCH] = saved_env
+            if saved_address is not None:
+                os.environ[RAY_ADDRESS] = saved_address
         yield
     finally:
         try:

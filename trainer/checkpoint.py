@@ -1,13 +1,17 @@
-"""Atomic checkpoints: DeepSpeed state + per-rank RNG + the drafter in the published HF format.
+"""Atomic, durable checkpoints: DeepSpeed state + per-rank RNG + the drafter in the published HF format.
 
     <ckpt_root>/step-00000100/    DeepSpeed files (weights, optimizer, scheduler, client state),
                                   rng-rank<r>.pt, client_state.json (the client state, readable before
                                   an engine exists: the dtype to rebuild it in), drafter/ (config.json +
                                   model.safetensors)
+    <ckpt_root>/step-00000100-1/  the same step saved again (a rerun over the same folder): its own folder
     <ckpt_root>/latest            the name of the newest complete checkpoint
 
-A checkpoint is written under `.tmp-<tag>` and renamed into place; `latest` is replaced atomically
-afterwards, so a crash at any moment leaves the previous checkpoint as `latest`.
+A checkpoint is written under `.tmp-<tag>`, every file of it fsynced, renamed into place and the folder fsynced;
+only then is `latest` replaced (written, fsynced, renamed, folder fsynced). No save deletes or overwrites the
+folder `latest` names: a step saved again gets a new folder, and the older ones go only once `latest` names the new
+one. So a crash or a power loss at any moment leaves `latest` naming a complete checkpoint. The tag read from
+`latest` must be a checkpoint name (`step-NNNNNNNN`, `step-NNNNNNNN-K`): one that leads elsewhere is refused.
 
 A resume unpickles nothing but tensors, builtins and the few DeepSpeed classes its state holds: DeepSpeed loads
 with `torch.load(weights_only=False)`, which runs whatever code a planted file names.
@@ -18,14 +22,22 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
+from flashdraft.durable import exchange, fsync_dir, fsync_tree, write_text_durably
+
 LATEST = "latest"
 CLIENT_STATE = "client_state.json"
+TAG = re.compile(r"step-([0-9]{8,})(?:-([0-9]+))?")  # what `_new_tag` makes: the only tags `latest` may name
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be resumed from as it stands (a `latest` naming something else)."""
 
 
 def _barrier():
@@ -41,43 +53,85 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def _tag_key(tag: str) -> tuple[int, int]:
+    m = TAG.fullmatch(tag)
+    return int(m[1]), int(m[2] or 0)
+
+
+def checkpoint_tags(root: str | Path) -> list[str]:
+    """The checkpoint folders under `root`, oldest first (by step, then by how often the step was saved)."""
+    root = Path(root)
+    found = [p.name for p in root.iterdir() if p.is_dir() and TAG.fullmatch(p.name)] if root.is_dir() else []
+    return sorted(found, key=_tag_key)
+
+
 def latest_tag(root: str | Path) -> str | None:
+    """The checkpoint `latest` names (None: no `latest`, or its folder is gone). A tag that is not a checkpoint
+    name (`../../..`, an absolute path) is refused: it would lead out of `root`."""
     p = Path(root) / LATEST
     if not p.is_file():
         return None
     tag = p.read_text().strip()
+    if not TAG.fullmatch(tag):
+        raise CheckpointError(
+            f"{p} names {tag[:200]!r}, not a checkpoint of the form step-NNNNNNNN; refused. Point it at one of "
+            f"{checkpoint_tags(root)[-3:] or 'the checkpoints'} or start afresh with train.resume=false"
+        )
     return tag if (Path(root) / tag).is_dir() else None
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+def _new_tag(root: Path, step: int) -> str:
+    """The folder name for a checkpoint of `step`: `step-NNNNNNNN`, or `step-NNNNNNNN-K` when that step has a
+    folder already (decided by rank 0, told to every rank)."""
+    tag = None
+    if _rank() == 0:
+        base = f"step-{step:08d}"
+        same = [_tag_key(t)[1] for t in checkpoint_tags(root) if _tag_key(t)[0] == step]
+        tag = base if not same else f"{base}-{max(same) + 1}"
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        box = [tag]
+        dist.broadcast_object_list(box, src=0)
+        tag = box[0]
+    return tag
 
 
 def export_drafter(drafter_cls, config, state: dict, out: Path, dtype=None) -> Path:
-    """Write the drafter as a published-format HF folder at `out`, replacing it atomically."""
+    """Write the drafter as a published-format HF folder at `out`, replacing it in one atomic step: a crash at any
+    moment leaves the previous drafter or the new one at `out`, both whole."""
+    out = Path(out)
     model = drafter_cls(config)
     model.load_state_dict(state)
-    tmp = out.with_name(f".{out.name}.tmp")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp, old = out.with_name(f".{out.name}.tmp"), out.with_name(f".{out.name}.old")
+    if not out.exists() and old.is_dir():  # a crash mid-way through the two-rename fallback below: put it back
+        os.replace(old, out)
+        fsync_dir(out.parent)
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, dtype=dtype)
-    if out.exists():
-        old = out.with_name(f".{out.name}.old")
+    fsync_tree(tmp)
+    if not out.exists():
+        os.replace(tmp, out)
+        fsync_dir(out.parent)
+    elif exchange(tmp, out):  # the new folder at `out`, the previous one (a folder or a link to one) at `tmp`
+        if tmp.is_symlink():
+            tmp.unlink()
+        else:
+            shutil.rmtree(tmp)
+    else:  # no atomic exchange here (NFS): two renames; the previous drafter waits at `old` meanwhile
         shutil.rmtree(old, ignore_errors=True)
         os.replace(out, old)
         os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp, out)
+        fsync_dir(out.parent)
+        shutil.rmtree(old)
     return out
 
 
 def save_checkpoint(engine, root: str | Path, step: int, client_state: dict, *, export=None, keep: int = 3) -> Path:
     """All ranks call this. `export(path)` (rank 0, may be None) writes the HF drafter into the checkpoint."""
     root = Path(root)
-    tag = f"step-{step:08d}"
+    tag = _new_tag(root, step)
     tmp_root = root / f".tmp-{tag}"
     if _rank() == 0:
         for stale in root.glob(".tmp-step-*"):  # left by a run killed while saving
@@ -93,19 +147,30 @@ def save_checkpoint(engine, root: str | Path, step: int, client_state: dict, *, 
         (tmp_root / tag / CLIENT_STATE).write_text(json.dumps(client_state, indent=1, default=str) + "\n")
     if export is not None:
         export(tmp_root / tag / "drafter")
+    fsync_tree(tmp_root / tag)  # each rank: the files it wrote are on disk before the checkpoint is named
     _barrier()
     final = root / tag
     if _rank() == 0:
-        if final.exists():
-            shutil.rmtree(final)
         os.replace(tmp_root / tag, final)
+        fsync_dir(root)  # the folder's name is durable before `latest` names it
         shutil.rmtree(tmp_root, ignore_errors=True)
-        _write_atomic(root / LATEST, tag + "\n")
-        done = sorted(p for p in root.glob("step-*") if p.is_dir())
-        for old in done[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+        write_text_durably(root / LATEST, tag + "\n")
+        _prune(root, tag, keep)
     _barrier()
     return final
+
+
+def _prune(root: Path, newest: str, keep: int) -> None:
+    """Delete earlier saves of `newest`'s step, then all but the `keep` newest checkpoints (`latest` names
+    `newest` by now)."""
+    step = _tag_key(newest)[0]
+    for tag in checkpoint_tags(root):
+        if tag != newest and _tag_key(tag)[0] == step:
+            shutil.rmtree(root / tag, ignore_errors=True)
+    done = checkpoint_tags(root)
+    for old in done[:-keep] if keep > 0 else []:
+        if old != newest:
+            shutil.rmtree(root / old, ignore_errors=True)
 
 
 def read_client_state(root: str | Path, tag: str) -> dict | None:

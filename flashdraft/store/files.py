@@ -32,6 +32,7 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
+from flashdraft.durable import fsync_dir
 from flashdraft.store.format import FORMAT_NOTES, FORMAT_VERSION, StoreError, StoreLayout
 from flashdraft.store.space import naming_disk_full
 
@@ -46,6 +47,7 @@ SHARD_PREFIX = "shard-"
 SHARD_NAME = re.compile(r"shard-[0-9]{5,}")  # what `shard_name` makes: a manifest's names become read paths
 PART_SUFFIX = ".part"
 _MANIFEST_KEYS = ("format_version", "layer_ids", "hidden_size", "dtype", "shards")
+_ENTRY_COUNTS = ("sequences", "tokens")  # what every shard entry of a manifest holds besides its name
 
 
 def now() -> str:
@@ -129,21 +131,29 @@ def read_manifest(path: str | Path, *, any_format: bool = False) -> dict:
     missing = [k for k in _MANIFEST_KEYS if k not in manifest]
     if missing:
         raise StoreError(f"{mpath} is corrupt: missing keys {missing}")
-    _check_shard_names(mpath, manifest["shards"])
+    _check_shard_entries(mpath, manifest["shards"])
     if not any_format:
         _check_format(path, manifest["format_version"])
     return manifest
 
 
-def _check_shard_names(mpath: Path, shards) -> None:
-    """Every shard a manifest lists has a name `shard_name` makes: none becomes a path out of `shards/`
-    (`../../etc`, an absolute path) before it is opened."""
+def _check_shard_entries(mpath: Path, shards) -> None:
+    """Every shard a manifest lists has a name `shard_name` makes (none becomes a path out of `shards/`: `../../etc`,
+    an absolute path) and its counts; a bad entry is refused by name before any of it is used."""
     if not isinstance(shards, list):
         raise StoreError(f"{mpath} is corrupt: 'shards' is not a list")
     for entry in shards:
         name = entry.get("name") if isinstance(entry, dict) else None
         if not isinstance(name, str) or not SHARD_NAME.fullmatch(name):
             raise StoreError(f"{mpath} is corrupt: shard name {name!r} is not of the form shard-NNNNN; refused")
+        for key in _ENTRY_COUNTS:
+            if key not in entry:
+                raise StoreError(f"{mpath} is corrupt: the entry of shard {name} has no {key!r}; refused")
+            value = entry[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise StoreError(
+                    f"{mpath} is corrupt: the entry of shard {name} has {key} {value!r}, not a count; refused"
+                )
 
 
 def _check_format(path: Path, version) -> None:
@@ -175,6 +185,7 @@ def _write_json_atomic(path: Path, obj) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_dir(path.parent)  # the rename itself: until then a power loss can bring the old file back
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -221,11 +232,36 @@ def shard_seq_ids(shard: Path) -> set[str]:
     return set(attrs["seq_ids"]) | {r["seq_id"] for r in attrs.get("rejects", [])}
 
 
+def repair_hint(store_path: str | Path) -> str:
+    return (
+        f"`python -m pipeline repair {store_path}` drops the entry of every listed shard that is missing or "
+        "unreadable; the same capture command run again then recaptures exactly their prompts"
+    )
+
+
+def listed_shard_attrs(store_path: str | Path, name: str) -> dict:
+    """The attributes of the shard `name` the manifest lists; one missing or unreadable on disk is refused naming
+    the repair."""
+    d = shard_dir(store_path, name)
+    try:
+        return read_shard_attrs(d)
+    except StoreError as e:
+        raise StoreError(f"{missing_shard_reason(store_path, name, e)}: {repair_hint(store_path)}") from e
+
+
+def missing_shard_reason(store_path: str | Path, name: str, error: StoreError) -> str:
+    """Why the listed shard `name` cannot be read (`error`, what reading its attributes raised)."""
+    d = shard_dir(store_path, name)
+    what = "is missing" if not d.exists() else f"is unreadable ({error.__cause__ or error})"
+    return f"shard {name} is listed in {Path(store_path) / MANIFEST} but {d} {what}"
+
+
 def committed_seq_ids(store_path: str | Path) -> set[str]:
     """Every sequence id the committed shards account for: captured, or refused and recorded as a reject."""
     done = set()
     for entry in read_manifest(store_path)["shards"]:
-        done |= shard_seq_ids(shard_dir(store_path, entry["name"]))
+        attrs = listed_shard_attrs(store_path, entry["name"])
+        done |= set(attrs["seq_ids"]) | {r["seq_id"] for r in attrs.get("rejects", [])}
     return done
 
 
@@ -242,7 +278,10 @@ def write_rejects(store_path: str | Path, rejects) -> None:
         with naming_disk_full(final), open(tmp, "w") as f:
             for r in rejects:
                 f.write(json.dumps(r, ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
         tmp.replace(final)
+        fsync_dir(final.parent)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -254,21 +293,6 @@ def read_rejects(store_path: str | Path) -> list[dict]:
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def fsync_tree(root: Path) -> None:
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fd = os.open(dirpath, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def dir_bytes(root: Path) -> int:

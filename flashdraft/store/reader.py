@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from flashdraft.store.files import array_file, read_manifest, read_shard_attrs, shard_dir
+from flashdraft.store.files import array_file, listed_shard_attrs, read_manifest, shard_dir
 from flashdraft.store.format import (
     FEATURE_SCALES,
     FEATURES,
@@ -70,7 +70,7 @@ class StoreReader:
         seq_ids, lengths, shard_of, index_in, spans, thinking = [], [], [], [], [], []
         for k, entry in enumerate(self.manifest["shards"]):
             d = shard_dir(self.path, entry["name"])
-            attrs = read_shard_attrs(d)
+            attrs = listed_shard_attrs(self.path, entry["name"])
             offsets = np.asarray(attrs["offsets"], dtype=np.int64)
             if len(attrs["seq_ids"]) != entry["sequences"] or len(offsets) != entry["sequences"] + 1:
                 raise StoreError(

@@ -9,7 +9,15 @@ from pathlib import Path
 
 import numpy as np
 
-from flashdraft.store.files import array_file, dir_bytes, read_manifest, read_shard_attrs, shard_dir, shards_bytes
+from flashdraft.store.files import (
+    array_file,
+    dir_bytes,
+    listed_shard_attrs,
+    read_manifest,
+    repair_hint,
+    shard_dir,
+    shards_bytes,
+)
 from flashdraft.store.format import (
     FEATURE_SCALES,
     FEATURES,
@@ -75,10 +83,10 @@ def _check_shard(check: _Check, entry: dict) -> None:
     """Problems of one listed shard go to `check.problems`; its sequences and tokens to `check.tally`."""
     name, d, problems = entry["name"], shard_dir(check.path, entry["name"]), check.problems
     if not d.is_dir():
-        problems.append(f"shard {name} is listed in the manifest but missing on disk")
+        problems.append(f"shard {name} is listed in the manifest but missing on disk; {repair_hint(check.path)}")
         return
     try:
-        attrs = read_shard_attrs(d)
+        attrs = listed_shard_attrs(check.path, name)
     except StoreError as e:
         problems.append(str(e))
         return

@@ -1,6 +1,7 @@
 """Writing a store: one `ShardWriter` per fleet task, one `StoreWriter` that keeps the manifest.
 
-A shard is written under a temporary name, flushed, fsynced and renamed; only then is it listed in the manifest.
+A shard is written under a temporary name, flushed, fsynced, renamed and its folder fsynced (the rename durable);
+only then is it listed in the manifest, whose replace is fsynced the same way.
 A reader sees only listed shards, so a crashed writer leaves nothing a reader can trip on. Two writers touching
 the same chunk lose writes, so each writer owns whole shards.
 """
@@ -15,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from flashdraft.durable import fsync_dir, fsync_tree
 from flashdraft.store.files import (
     array_file,
     dir_bytes,
-    fsync_tree,
     is_store,
     is_temp,
     manifest_lock,
@@ -285,6 +286,7 @@ class ShardWriter:
         )
         fsync_tree(self.tmp)
         os.rename(self.tmp, self.final)
+        fsync_dir(self.final.parent)  # the rename is durable before the manifest can list the shard
 
     def info(self) -> dict:
         return {
@@ -355,6 +357,8 @@ class StoreWriter:
             else:
                 self.manifest = fresh
             self._save()
+            if self.manifest is fresh:  # a new store folder: its name in the parent folder too
+                fsync_dir(self.path.parent)
 
     def _fresh_manifest(self, extra: dict) -> dict:
         return {
