@@ -126,8 +126,8 @@ class DataConfig:
     # prompts joining a regenerate decode prefill in groups of at most it; auto: from the free GPU memory in capture
     # mode, 16384 otherwise (on a CPU, regenerate: the joining prompts prefill together, unsplit)
     prefill_tokens: Any = "auto"
-    # threads compressing shards off the decode loop; auto: on a GPU every CPU thread of the worker but the decode
-    # loop's, on a CPU 1
+    # threads writing shards off the decode loop, 0: written in the decode loop; auto: on a GPU every CPU thread of
+    # the worker but the decode loop's, on a CPU 0 (torch's threads decode on every core)
     writer_threads: Any = "auto"
     gpu_memory_fraction: float = DEFAULT_FRACTION  # of the GPU memory free after the target loads, what auto fills
     shard_size: int = 32  # prompts per fleet task = per store shard

@@ -20,7 +20,7 @@ import torch
 
 from flashdraft.config import SamplingConfig
 from flashdraft.prompts import PromptRecord, thinking_of
-from flashdraft.store import StoreLayout, read_manifest, shard_exists
+from flashdraft.store import ShardWriter, StoreLayout, read_manifest, shard_exists
 from flashdraft.store.files import shard_dir
 from flashdraft.store.space import check_free_space
 from flashdraft.target import chat_text, load_target, resolve_dtype, stop_token_ids, template_takes_thinking
@@ -60,17 +60,21 @@ class CaptureSettings:
     thinking_share: float | None
     trust_remote_code: bool
     torch_threads: int | None
-    writer_threads: int | str = "auto"  # threads compressing shards, or auto (`CaptureWorker.writer_threads`)
+    # threads writing shards off the decode loop (0: in the decode loop), or auto (`CaptureWorker.writer_threads`)
+    writer_threads: int | str = "auto"
 
     def __post_init__(self):
         if self.mode not in ("regenerate", "capture"):
             raise ValueError(f"capture mode must be 'regenerate' or 'capture', got {self.mode!r}")
         if self.turns not in ("all", "single"):
             raise ValueError(f"data.turns must be 'all' or 'single', got {self.turns!r}")
-        for key in ("batch_size", "prefill_tokens", "writer_threads"):
+        for key in ("batch_size", "prefill_tokens"):
             value = getattr(self, key)
             if value != "auto" and not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"data.{key} must be a positive number or auto, got {value!r}")
+        threads = self.writer_threads
+        if threads != "auto" and not (isinstance(threads, int) and threads >= 0):
+            raise ValueError(f"data.writer_threads must be 0 (in the decode loop), more, or auto, got {threads!r}")
         if self.thinking_share is not None and not 0 <= self.thinking_share <= 1:
             raise ValueError(f"data.thinking_share must be in [0, 1], got {self.thinking_share}")
         if not 0 < self.gpu_memory_fraction <= 1:
@@ -117,7 +121,7 @@ class _TaskRun:
     conversations, and how many of its sequences the shared decode still owes it."""
 
     task: Task
-    shard: BackgroundShard
+    shard: BackgroundShard | ShardWriter  # ShardWriter: written in the decode loop (data.writer_threads 0)
     encoded: list
     chats: list
     thinking_of: Callable[[str], bool | None]
@@ -146,10 +150,13 @@ class CaptureWorker:
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (self.stop_ids[0] if self.stop_ids else 0)
         self.batch_size, self.prefill_tokens, lines = self.budgets()
-        threads = self.writer_threads()
-        # 1: compressed in each shard's own writing thread; more: a pool the shards' threads share
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="shard-encode") if threads > 1 else None
-        lines.append(f"shard writing off the decode loop: {threads} compression thread(s)")
+        self.threads, why = self.writer_threads()
+        # 0: written in the decode loop; 1: in each shard's own writing thread; more: a pool the shards' threads share
+        self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shard-encode") if self.threads > 1 else None
+        if self.threads:
+            lines.append(f"shard writing off the decode loop: {self.threads} compression thread(s): {why}")
+        else:
+            lines.append(f"shard writing in the decode loop: {why}")
         self._decode: ContinuousDecode | None = None  # the greedy decode, shared by consecutive tasks
         self._stream = None  # its running generator
         self._owner: dict[int, tuple[_TaskRun, int]] = {}  # decode index -> (task run, index into its encoded)
@@ -157,12 +164,15 @@ class CaptureWorker:
         for line in lines:
             print(f"capture worker {os.getpid()}: {line}", file=sys.stderr, flush=True)
 
-    def writer_threads(self) -> int:
-        """data.writer_threads, or auto: on a GPU every CPU thread of the worker but the decode loop's; on a CPU one
-        (torch's threads compute the decode)."""
+    def writer_threads(self) -> tuple[int, str]:
+        """(threads writing shards, why): data.writer_threads, or auto: on a GPU every CPU thread of the worker but
+        the decode loop's (the host's work overlaps the device's); on a CPU 0, shards written in the decode loop
+        (torch's threads compute the decode on every core; a writing thread would compete with them)."""
         if self.s.writer_threads != "auto":
-            return self.s.writer_threads
-        return max(1, torch.get_num_threads() - 1) if self.model.device.type == "cuda" else 1
+            return self.s.writer_threads, "data.writer_threads"
+        if self.model.device.type == "cuda":
+            return max(1, torch.get_num_threads() - 1), "auto on a GPU"
+        return 0, "auto on CPU"
 
     def budgets(self) -> tuple[int, int | None, list[str]]:
         """(decode rows, prefill token budget or None for unlimited, one line each saying why). `auto` on a GPU is
@@ -334,7 +344,10 @@ class CaptureWorker:
         # a conversation holds at most max_length tokens
         space = self.max_tokens(encoded) + len(chats) * self.s.max_length
         check_free_space(shard_dir(self.store_path, task.name), self.layout, space)
-        shard = BackgroundShard(self.store_path, task.name, self.layout, pool=self.pool)
+        if self.threads:
+            shard = BackgroundShard(self.store_path, task.name, self.layout, pool=self.pool)
+        else:
+            shard = ShardWriter(self.store_path, task.name, self.layout)
         for rec, reason in rejects:
             shard.reject(rec.seq_id, reason, source=rec.source, record_id=rec.record_id)
         encoded.sort(key=lambda x: len(x[1]))  # similar lengths batch (and join the batch) with little padding

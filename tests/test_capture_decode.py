@@ -6,7 +6,7 @@ import torch
 
 from flashdraft.config import SamplingConfig
 from flashdraft.prompts import PromptRecord
-from flashdraft.store import StoreError, StoreLayout, StoreReader, shard_name, verify_store
+from flashdraft.store import ShardWriter, StoreError, StoreLayout, StoreReader, shard_name, verify_store
 from flashdraft.store.files import shard_dir, temp_shard_dir
 from flashdraft.target import capture_features, load_target
 from pipeline.decode import ContinuousDecode
@@ -76,8 +76,8 @@ def test_rows_that_end_and_join_leave_the_cache_buffers_in_place():
     assert len(buffers) <= 3, f"{len(buffers)} cache buffers over {ended} rows ending and joining"
 
 
-def fleet_store(tmp_path, target, records, **fleet):
-    settings = settings_for(target, torch_threads=1, batch_size=3, max_new_tokens=10)
+def fleet_store(tmp_path, target, records, writer_threads="auto", **fleet):
+    settings = settings_for(target, torch_threads=1, batch_size=3, max_new_tokens=10, writer_threads=writer_threads)
     writer = open_store(tmp_path, settings, sources=["test"], store_options=dict(shard_tokens=64, chunk_tokens=16))
     summary = run_fleet(tmp_path, records, settings, writer, FleetConfig(shard_size=2, **fleet), progress=False)
     assert summary.ok, summary.lines()
@@ -92,10 +92,12 @@ def records(n):
     ]
 
 
-def test_a_store_captured_across_task_boundaries_equals_a_plain_reference_capture(tmp_path, target):
-    """In-process fleet (the next task's prompts join the decode before the current task's end): every stored
-    sequence is the target's greedy answer token for token, its features a fresh forward's (bf16 store)."""
-    reader = fleet_store(tmp_path / "s", target, records(9), num_actors=0)
+@pytest.mark.parametrize("writer_threads", ["auto", 1, 2])  # auto on a CPU: in the decode loop
+def test_a_store_captured_across_task_boundaries_equals_a_plain_reference_capture(tmp_path, target, writer_threads):
+    """In-process fleet (the next task's prompts join the decode before the current task's end), shards written in
+    the decode loop or by writing threads: every stored sequence is the target's greedy answer token for token, its
+    features a fresh forward's (bf16 store)."""
+    reader = fleet_store(tmp_path / "s", target, records(9), writer_threads, num_actors=0)
     assert verify_store(tmp_path / "s", progress=False)[0] == []
     model, _ = load_target(target)
     lengths = set()
@@ -118,17 +120,23 @@ def temp_shards(store, name: str) -> list:
     return list(temp_shard_dir(store, name).parent.glob(temp_shard_dir(store, name).name.rsplit("-", 1)[0] + "-*"))
 
 
-def test_the_lookahead_task_is_decoded_ahead_committed_by_its_own_call_and_dropped_by_another(tmp_path, target):
-    settings = settings_for(target, torch_threads=1, batch_size=3, max_new_tokens=10)
+@pytest.mark.parametrize("writer_threads,writes", [("auto", ShardWriter), (1, BackgroundShard)])
+def test_the_lookahead_task_is_decoded_ahead_committed_by_its_own_call_and_dropped_by_another(
+    tmp_path, target, writer_threads, writes
+):
+    """(auto on a CPU writes shards in the decode loop; a number of threads, off it.)"""
+    settings = settings_for(target, torch_threads=1, batch_size=3, max_new_tokens=10, writer_threads=writer_threads)
     open_store(tmp_path, settings, sources=["test"], store_options=dict(shard_tokens=64, chunk_tokens=16))
     recs = records(6)
     tasks = [Task(shard_name(k), tuple(recs[2 * k : 2 * k + 2])) for k in range(3)]
     worker = CaptureWorker(str(tmp_path), settings)
+    assert worker.threads == (0 if writer_threads == "auto" else writer_threads)
     worker.run(tasks[0], lookahead=tasks[1])
     assert shard_dir(tmp_path, tasks[0].name).exists() and not shard_dir(tmp_path, tasks[1].name).exists()
     assert len(worker._decode.waiting) < 2  # a prompt of the lookahead took the batch's free row at once
     worker.run(tasks[1], lookahead=tasks[2])
     assert shard_dir(tmp_path, tasks[1].name).exists() and temp_shards(tmp_path, tasks[2].name)
+    assert type(worker._ahead.shard) is writes
     worker.run(
         tasks[0]._replace(name=shard_name(3)) if hasattr(tasks[0], "_replace") else Task(shard_name(3), recs[:1])
     )
@@ -145,3 +153,8 @@ def test_a_write_that_fails_in_the_writing_thread_is_raised_in_the_decode_loop_a
             shard.append(f"c{k}", [1], [True], torch.zeros(1, 8))
         shard.commit()
     assert not temp_shards(tmp_path, shard_name(0)) and not shard_dir(tmp_path, shard_name(0)).exists()
+
+
+def test_writer_threads_below_zero_are_refused_naming_the_setting(target):
+    with pytest.raises(ValueError, match=r"data.writer_threads must be 0 \(in the decode loop\), .* got -1"):
+        settings_for(target, writer_threads=-1)
