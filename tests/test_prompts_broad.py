@@ -129,7 +129,7 @@ def test_the_broad_profile_adds_the_sources_to_quick_and_evaluates_every_kind():
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from flashdraft.config import register_configs
+    from entry import register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base=None):

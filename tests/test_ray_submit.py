@@ -151,7 +151,7 @@ def test_stopping_make_stops_the_ray_job(tmp_path, ray_job_cluster):
     job that would wait for ever for GPU actors (submitted anyway: CHECK_FIT=0)."""
     address, env = ray_job_cluster
     target = build_tiny_target(tmp_path / "target")
-    args = f"ARGS=run_dir={tmp_path / 'run'} model.target={target} model.layer_ids=[0,1,2] data.limit=2"
+    args = f"ARGS=run_dir={tmp_path / 'run'} model.target={target} drafter.layer_ids=[0,1,2] data.limit=2"
     make = make_features(
         address,
         {**env, "CHECK_FIT": "0"},

@@ -1,5 +1,7 @@
 """The target adapter: embedded default, chat template, frozen head, mask token, model families."""
 
+import copy
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -135,12 +137,25 @@ def test_a_targets_family_comes_from_one_table_and_decides_its_mask_token_and_ch
     )
     with pytest.raises(KeyError, match="no decoder layer tensors under"):
         llama.decoder_prefix(["model.language_model.layers.0.mlp.up_proj.weight"])
-    # SmolLM2 is a Llama: its family's unused specials give the mask; a family without any is refused by name
+    # SmolLM2 is a Llama: its family's unused specials give the mask; a family's own candidates come first, then any
+    # family's (a Qwen3 model with SmolLM2's tokenizer, as the cluster tests build, still finds one)
     assert smol_tokenizer.convert_ids_to_tokens(choose_mask_token(smol_tokenizer, 49152, family=llama)) == (
         "<empty_output>"
     )
-    with pytest.raises(ValueError, match="none of the bare family's unused special tokens"):
-        choose_mask_token(smol_tokenizer, 49152, family=ModelFamily("bare", ("bare",)))
+    assert smol_tokenizer.convert_ids_to_tokens(choose_mask_token(smol_tokenizer, 49152, family=qwen3)) == (
+        "<empty_output>"
+    )
+    own = ModelFamily("own", ("own",), mask_tokens=("<jupyter_script>",))
+    assert smol_tokenizer.convert_ids_to_tokens(choose_mask_token(smol_tokenizer, 49152, family=own)) == (
+        "<jupyter_script>"
+    )
+    template_uses_all = smol_tokenizer.chat_template + "".join(
+        t for t in smol_tokenizer.get_vocab() if t.startswith(GENERIC.mask_tokens)
+    )
+    bare = copy.copy(smol_tokenizer)
+    bare.chat_template = template_uses_all
+    with pytest.raises(ValueError, match=r"none of the unused special tokens .*\(bare family's first\)"):
+        choose_mask_token(bare, 49152, family=ModelFamily("bare", ("bare",)))
 
 
 def test_unreachable_hub_target_fails_fast():

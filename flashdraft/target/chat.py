@@ -63,8 +63,9 @@ def choose_mask_token(tokenizer, vocab_size: int, drafter_config=None, family: M
     2. The tokenizer's own mask token.
     3. A spare row of a padded embedding (vocab_size > len(tokenizer)): `SPARE_ROW_MASK_TOKEN` is added to the
        tokenizer and lands on the first spare row, as in the published Qwen3 drafters.
-    4. Otherwise an unused special token of the target's family (`ModelFamily.mask_tokens`) the chat template never
-       emits. Adding a row to the embedding instead would add a logit to a tied output head and change the target.
+    4. Otherwise an unused special token the chat template never emits: the target family's own candidates
+       (`ModelFamily.mask_tokens`) first, then any family's (a Qwen3 model may carry another family's tokenizer).
+       Adding a row to the embedding instead would add a logit to a tied output head and change the target.
     """
     dcfg = getattr(drafter_config, "dflash_config", None) or {}
     if dcfg.get("mask_token_id") is not None:
@@ -77,12 +78,13 @@ def choose_mask_token(tokenizer, vocab_size: int, drafter_config=None, family: M
     template = str(getattr(tokenizer, "chat_template", "") or "")
     used = {tokenizer.eos_token, tokenizer.bos_token, tokenizer.pad_token, tokenizer.unk_token}
     free = {t: i for t, i in tokenizer.get_vocab().items() if t not in template and t not in used}
-    for start in family.mask_tokens:
+    candidates = tuple(dict.fromkeys((*family.mask_tokens, *GENERIC.mask_tokens)))
+    for start in candidates:
         ids = sorted(i for t, i in free.items() if t.startswith(start))
         if ids:
             return ids[0]
     raise ValueError(
-        f"no mask token: the tokenizer has none, the embedding has no spare row and none of the {family.name} "
-        f"family's unused special tokens {list(family.mask_tokens)} was found; set dflash_config.mask_token_id in "
+        f"no mask token: the tokenizer has none, the embedding has no spare row and none of the unused special "
+        f"tokens {list(candidates)} ({family.name} family's first) was found; set dflash_config.mask_token_id in "
         "the drafter config"
     )
