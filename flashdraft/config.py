@@ -126,6 +126,9 @@ class DataConfig:
     # prompts joining a regenerate decode prefill in groups of at most it; auto: from the free GPU memory in capture
     # mode, 16384 otherwise (on a CPU, regenerate: the joining prompts prefill together, unsplit)
     prefill_tokens: Any = "auto"
+    # threads writing shards off the decode loop, 0: written in the decode loop; auto: on a GPU every CPU thread of
+    # the worker but the decode loop's, on a CPU 0 (torch's threads decode on every core)
+    writer_threads: Any = "auto"
     gpu_memory_fraction: float = DEFAULT_FRACTION  # of the GPU memory free after the target loads, what auto fills
     shard_size: int = 32  # prompts per fleet task = per store shard
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -165,8 +168,9 @@ def source_figures(figures: dict) -> dict[str, SourceFigures]:
 class ClusterConfig:
     name: str = "local"
     ray_address: str | None = None  # None: start a local Ray; auto: join the cluster this node belongs to
-    num_actors: int = 1  # capture workers (0: in-process, no Ray)
-    gpus_per_actor: float = 0
+    # capture workers (0: in-process, no Ray); auto: one per GPU where the capture runs on GPUs, else 1
+    num_actors: Any = "auto"
+    gpus_per_actor: Any = "auto"  # auto: 1 where the capture runs on GPUs, else 0
     cpus_per_actor: float = 1
     max_attempts: int = 3  # a shard failing this often is reported, not retried
     object_store_mb: int = 256

@@ -81,6 +81,7 @@ def settings_from(cfg: Config, offline_ok: bool = False) -> CaptureSettings:
         max_prompt_tokens=d.max_prompt_tokens,
         batch_size=auto_or_int(d.batch_size, "data.batch_size"),
         prefill_tokens=auto_or_int(d.prefill_tokens, "data.prefill_tokens"),
+        writer_threads=auto_or_int(d.writer_threads, "data.writer_threads"),
         gpu_memory_fraction=d.gpu_memory_fraction,
         sampling=d.sampling,
         seed=cfg.seed,
@@ -102,9 +103,9 @@ def thinking_settings(enable_thinking, thinking, share) -> dict:
 def fleet_from(cfg: Config) -> FleetConfig:
     c = cfg.cluster
     return FleetConfig(
-        num_actors=c.num_actors,
+        num_actors=auto_or_int(c.num_actors, "cluster.num_actors"),
         cpus_per_actor=c.cpus_per_actor,
-        gpus_per_actor=c.gpus_per_actor,
+        gpus_per_actor="auto" if str(c.gpus_per_actor) == "auto" else float(c.gpus_per_actor),
         ray_address=c.ray_address,
         shard_size=cfg.data.shard_size,
         max_attempts=c.max_attempts,

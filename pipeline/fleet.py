@@ -9,6 +9,7 @@ The run holds the store's writer lock (one capture a store); a full disk stops i
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import Counter, deque
 from contextlib import contextmanager
@@ -40,9 +41,9 @@ from pipeline.worker import CaptureSettings, CaptureWorker, Task
 
 @dataclass
 class FleetConfig:
-    num_actors: int = 1  # 0: run in this process, no Ray
+    num_actors: int | str = "auto"  # 0: run in this process, no Ray; auto: `resolve_actors`
     cpus_per_actor: float = 1
-    gpus_per_actor: float = 0
+    gpus_per_actor: float | str = "auto"  # auto: 1 where the capture runs on GPUs, else 0
     ray_address: str | None = None
     shard_size: int = 64  # prompts per task / shard
     max_attempts: int = 3
@@ -299,19 +300,22 @@ class _Bookkeeper:
 def _run_inline(store_path, settings, tasks, book: _Bookkeeper) -> None:
     worker = CaptureWorker(str(store_path), settings)
     queue = deque(tasks)
-    while queue:
-        if book.stopped:
-            book.not_started(queue)
-            return
-        task = queue.popleft()
-        try:
-            result = worker.run(task)
-        except Exception as e:  # noqa: BLE001 - reported per shard; the fleet goes on
-            again = book.failed(task, e, retry=not isinstance(e, TargetNaNError))
-            if again is not None:
-                queue.append(again)
-            continue
-        book.committed(result)
+    try:
+        while queue:
+            if book.stopped:
+                book.not_started(queue)
+                return
+            task = queue.popleft()
+            try:
+                result = worker.run(task, lookahead=queue[0] if queue else None)
+            except Exception as e:  # noqa: BLE001 - reported per shard; the fleet goes on
+                again = book.failed(task, e, retry=not isinstance(e, TargetNaNError))
+                if again is not None:
+                    queue.append(again)
+                continue
+            book.committed(result)
+    finally:
+        worker.close()
 
 
 @contextmanager
@@ -336,24 +340,69 @@ def _ray_up(fleet: FleetConfig):
             yield
 
 
+def resolve_actors(fleet: FleetConfig, device: str, gpus: float) -> tuple[FleetConfig, str]:
+    """`auto` actor settings made numbers, and a line that says why. `gpus`: the GPUs the capture may use (the Ray
+    cluster's). Where the capture runs on GPUs (`device` not cpu, some GPUs present): one GPU an actor and one actor
+    per GPU, so every GPU of the machine (or cluster) works and each actor owns its own device; else one actor on
+    the CPU."""
+    on_gpus = device != "cpu" and gpus > 0
+    per_actor = fleet.gpus_per_actor
+    if per_actor == "auto":
+        per_actor = 1 if on_gpus else 0
+    actors = fleet.num_actors
+    if actors == "auto":
+        actors = max(1, int(gpus // per_actor)) if on_gpus and per_actor > 0 else 1
+    why = f"{gpus:g} GPU(s) in Ray, device {device}"
+    line = f"capture fleet: {actors} actor(s), {float(per_actor):g} GPU(s) each ({why})"
+    return replace(fleet, num_actors=int(actors), gpus_per_actor=float(per_actor)), line
+
+
 def _run_ray(store_path, settings, tasks, fleet: FleetConfig, book: _Bookkeeper) -> None:
-    with _ray_up(fleet):
+    import ray
+
+    local, _ = resolve_actors(fleet, settings.device, _local_gpus(settings.device))
+    with _ray_up(replace(fleet, num_actors=local.num_actors)):
+        fleet, line = resolve_actors(fleet, settings.device, ray.cluster_resources().get("GPU", 0))
+        print(line, file=sys.stderr, flush=True)
         _drive_actors(store_path, settings, tasks, fleet, book)
 
 
+def _local_gpus(device: str) -> int:
+    """The GPUs of this machine that torch sees (a local Ray finds the same)."""
+    if device == "cpu":
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def capture_actor(fleet: FleetConfig):
+    """The Ray actor class of a capture worker: `cpus_per_actor` CPUs and `gpus_per_actor` GPUs each (with one GPU an
+    actor, Ray gives each its own device in CUDA_VISIBLE_DEVICES, so each target loads on its own `cuda:0`)."""
+    import ray
+
+    return ray.remote(num_cpus=fleet.cpus_per_actor, num_gpus=fleet.gpus_per_actor, max_restarts=0)(CaptureWorker)
+
+
 def _drive_actors(store_path, settings, tasks, fleet: FleetConfig, book: _Bookkeeper) -> None:
+    """Two calls in flight an actor, each naming the task of the actor's next call as its lookahead (the worker
+    decodes it across the boundary): a slot's `reserved` task is the lookahead its last call was given."""
     import ray
     from ray.exceptions import RayActorError, RayTaskError
 
-    Actor = ray.remote(num_cpus=fleet.cpus_per_actor, num_gpus=fleet.gpus_per_actor, max_restarts=0)(CaptureWorker)
+    Actor = capture_actor(fleet)
     make = lambda: Actor.remote(str(store_path), settings)  # noqa: E731
     actors = [make() for _ in range(fleet.num_actors)]
     queue, inflight = deque(tasks), {}
+    reserved: list[Task | None] = [None] * len(actors)
 
     def submit(slot: int) -> None:
-        if queue and not book.stopped:
-            task = queue.popleft()
-            inflight[actors[slot].run.remote(task)] = (task, slot, actors[slot])
+        if book.stopped:
+            return
+        task = reserved[slot] or (queue.popleft() if queue else None)
+        if task is not None:
+            reserved[slot] = queue.popleft() if queue else None
+            inflight[actors[slot].run.remote(task, reserved[slot])] = (task, slot, actors[slot])
 
     try:
         for _ in range(2):  # two tasks queued per actor: no idle gap between tasks
@@ -367,6 +416,9 @@ def _drive_actors(store_path, settings, tasks, fleet: FleetConfig, book: _Bookke
             except RayActorError as e:  # the worker process died (killed, OOM, node lost)
                 if actors[slot] is actor:
                     actors[slot] = make()
+                    if reserved[slot] is not None:  # the dead actor's lookahead, never called: to the queue
+                        queue.appendleft(reserved[slot])
+                        reserved[slot] = None
                 again = book.failed(task, e, retry=True)
             except RayTaskError as e:
                 cause = e.cause if getattr(e, "cause", None) is not None else e
@@ -379,6 +431,7 @@ def _drive_actors(store_path, settings, tasks, fleet: FleetConfig, book: _Bookke
             for s in range(len(actors)):  # top every actor up to two queued tasks
                 if sum(1 for _, sl, _ in inflight.values() if sl == s) < 2:
                     submit(s)
+        queue.extendleft(t for t in reserved if t is not None)  # a stopped run's lookaheads were never called
         book.not_started(queue)  # empty unless the run stopped
     finally:
         for a in actors:

@@ -12,6 +12,8 @@ import hashlib
 import os
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import torch
@@ -23,7 +25,9 @@ from flashdraft.store.files import shard_dir
 from flashdraft.store.space import check_free_space
 from flashdraft.target import chat_text, load_target, resolve_dtype, stop_token_ids, template_takes_thinking
 from flashdraft.target.memory import decode_rows, prefill_token_budget
-from pipeline.capture import capture, regenerate_stream, token_batches
+from pipeline.capture import Captured, capture, regenerate_stream, token_batches
+from pipeline.decode import ContinuousDecode
+from pipeline.shardqueue import BackgroundShard
 from pipeline.turns import Conversation, regenerate_conversations, user_turns
 
 CPU_BATCH_SIZE = 8  # data.batch_size auto on a CPU
@@ -56,6 +60,8 @@ class CaptureSettings:
     thinking_share: float | None
     trust_remote_code: bool
     torch_threads: int | None
+    # threads writing shards off the decode loop (0: in the decode loop), or auto (`CaptureWorker.writer_threads`)
+    writer_threads: int | str = "auto"
 
     def __post_init__(self):
         if self.mode not in ("regenerate", "capture"):
@@ -66,6 +72,9 @@ class CaptureSettings:
             value = getattr(self, key)
             if value != "auto" and not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"data.{key} must be a positive number or auto, got {value!r}")
+        threads = self.writer_threads
+        if threads != "auto" and not (isinstance(threads, int) and threads >= 0):
+            raise ValueError(f"data.writer_threads must be 0 (in the decode loop), more, or auto, got {threads!r}")
         if self.thinking_share is not None and not 0 <= self.thinking_share <= 1:
             raise ValueError(f"data.thinking_share must be in [0, 1], got {self.thinking_share}")
         if not 0 < self.gpu_memory_fraction <= 1:
@@ -75,7 +84,7 @@ class CaptureSettings:
         """The settings that define what a store holds (a resumed run must match them)."""
         d = asdict(self)
         # how and where the work runs, not what it computes; the target is identified by its fingerprint
-        for k in ("device", "batch_size", "prefill_tokens", "gpu_memory_fraction", "torch_threads"):
+        for k in ("device", "batch_size", "prefill_tokens", "gpu_memory_fraction", "torch_threads", "writer_threads"):
             d.pop(k)
         for k in ("trust_remote_code", "target"):
             d.pop(k)
@@ -106,6 +115,23 @@ def task_seed(seed: int, name: str, batch: int) -> int:
     return int(hashlib.sha256(f"{seed}:{name}:{batch}".encode()).hexdigest()[:15], 16)
 
 
+@dataclass
+class _TaskRun:
+    """A task being captured: its open shard, its encoded single-turn records (sorted by length), its
+    conversations, and how many of its sequences the shared decode still owes it."""
+
+    task: Task
+    shard: BackgroundShard | ShardWriter  # ShardWriter: written in the decode loop (data.writer_threads 0)
+    encoded: list
+    chats: list
+    thinking_of: Callable[[str], bool | None]
+    space: int  # the most rows its shard can take (`check_free_space`)
+    outstanding: int = 0
+
+    def store(self, seq_id: str, out: Captured) -> None:
+        self.shard.append(seq_id, out.input_ids, out.loss_mask, out.features, out.teacher, self.thinking_of(seq_id))
+
+
 class CaptureWorker:
     def __init__(self, store_path: str, settings: CaptureSettings):
         self.store_path, self.s = str(store_path), settings
@@ -124,8 +150,29 @@ class CaptureWorker:
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (self.stop_ids[0] if self.stop_ids else 0)
         self.batch_size, self.prefill_tokens, lines = self.budgets()
+        self.threads, why = self.writer_threads()
+        # 0: written in the decode loop; 1: in each shard's own writing thread; more: a pool the shards' threads share
+        self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shard-encode") if self.threads > 1 else None
+        if self.threads:
+            lines.append(f"shard writing off the decode loop: {self.threads} compression thread(s): {why}")
+        else:
+            lines.append(f"shard writing in the decode loop: {why}")
+        self._decode: ContinuousDecode | None = None  # the greedy decode, shared by consecutive tasks
+        self._stream = None  # its running generator
+        self._owner: dict[int, tuple[_TaskRun, int]] = {}  # decode index -> (task run, index into its encoded)
+        self._ahead: _TaskRun | None = None  # the lookahead task opened by the last call
         for line in lines:
             print(f"capture worker {os.getpid()}: {line}", file=sys.stderr, flush=True)
+
+    def writer_threads(self) -> tuple[int, str]:
+        """(threads writing shards, why): data.writer_threads, or auto: on a GPU every CPU thread of the worker but
+        the decode loop's (the host's work overlaps the device's); on a CPU 0, shards written in the decode loop
+        (torch's threads compute the decode on every core; a writing thread would compete with them)."""
+        if self.s.writer_threads != "auto":
+            return self.s.writer_threads, "data.writer_threads"
+        if self.model.device.type == "cuda":
+            return max(1, torch.get_num_threads() - 1), "auto on a GPU"
+        return 0, "auto on CPU"
 
     def budgets(self) -> tuple[int, int | None, list[str]]:
         """(decode rows, prefill token budget or None for unlimited, one line each saying why). `auto` on a GPU is
@@ -245,8 +292,44 @@ class CaptureWorker:
 
     # --- a task ------------------------------------------------------------------------------
 
-    def run(self, task: Task) -> dict:
+    def run(self, task: Task, lookahead: Task | None = None) -> dict:
+        """Capture `task` into its shard and commit it. `lookahead`: the task this worker is given next. In a greedy
+        single-turn regeneration its prompts join the decode behind this task's, so the batch stays full across the
+        boundary; its sequences go to its own shard, which the call that runs it finishes and commits (a call for
+        another task drops it: nothing of it is committed)."""
         t0 = time.time()
+        current = self._take_ahead(task)
+        try:
+            if current is not None:  # checked when it was opened ahead; the disk has filled since
+                check_free_space(shard_dir(self.store_path, task.name), self.layout, current.space)
+            current = current or self._open(task)
+            if lookahead is not None and self._overlaps(current):
+                self._ahead = self._open_ahead(lookahead)
+            self._decode_task(current)
+            if current.chats:  # each turn's round draws from its own seed (round 0 is the single-turn decode's)
+                seeds = lambda turn: task_seed(self.s.seed, task.name, 1 + turn)  # noqa: E731
+                for conv, out in regenerate_conversations(self, current.chats, seeds):
+                    current.store(conv.record.seq_id, out)
+                    for text in conv.notes:
+                        current.shard.note(conv.record.seq_id, text, turns=len(conv.users))
+            current.shard.commit()
+        except BaseException:
+            if current is not None:
+                current.shard.abort()
+            self._drop_ahead()
+            raise
+        devices = os.environ.get("CUDA_VISIBLE_DEVICES")  # as Ray set it for this actor (None: unset)
+        return {"info": current.shard.info(), "pid": os.getpid(), "seconds": time.time() - t0, "devices": devices}
+
+    def close(self) -> None:
+        """Drop a lookahead never run (its temporary shard goes) and stop the compression threads."""
+        self._drop_ahead()
+        if self.pool is not None:
+            self.pool.shutdown()
+
+    def _open(self, task: Task) -> _TaskRun:
+        """Encode a task's records, check the disk has room for its shard, open the shard (written off the decode
+        loop) with its rejects, and, in the shared greedy decode, queue its prompts."""
         if shard_exists(self.store_path, task.name):
             raise FileExistsError(f"shard {task.name} already exists in {self.store_path}")
         encoded, chats, rejects = [], [], []
@@ -261,25 +344,88 @@ class CaptureWorker:
         # a conversation holds at most max_length tokens
         space = self.max_tokens(encoded) + len(chats) * self.s.max_length
         check_free_space(shard_dir(self.store_path, task.name), self.layout, space)
-        with ShardWriter(self.store_path, task.name, self.layout) as shard:
-            for rec, reason in rejects:
-                shard.reject(rec.seq_id, reason, source=rec.source, record_id=rec.record_id)
-            encoded.sort(key=lambda x: len(x[1]))  # similar lengths batch (and join the batch) with little padding
-            for i, out in self._capture(encoded, task_seed(self.s.seed, task.name, 0)):
-                seq_id = encoded[i][0].seq_id
-                shard.append(
-                    seq_id, out.input_ids, out.loss_mask, out.features, out.teacher, self.recorded_thinking(seq_id)
-                )
-            if chats:  # each turn's round draws from its own seed (round 0 is the single-turn decode's)
-                seeds = lambda turn: task_seed(self.s.seed, task.name, 1 + turn)  # noqa: E731
-                for conv, out in regenerate_conversations(self, chats, seeds):
-                    seq_id = conv.record.seq_id
-                    shard.append(
-                        seq_id, out.input_ids, out.loss_mask, out.features, out.teacher, self.recorded_thinking(seq_id)
-                    )
-                    for text in conv.notes:
-                        shard.note(conv.record.seq_id, text, turns=len(conv.users))
-        return {"info": shard.info(), "pid": os.getpid(), "seconds": time.time() - t0}
+        if self.threads:
+            shard = BackgroundShard(self.store_path, task.name, self.layout, pool=self.pool)
+        else:
+            shard = ShardWriter(self.store_path, task.name, self.layout)
+        for rec, reason in rejects:
+            shard.reject(rec.seq_id, reason, source=rec.source, record_id=rec.record_id)
+        encoded.sort(key=lambda x: len(x[1]))  # similar lengths batch (and join the batch) with little padding
+        run = _TaskRun(task, shard, encoded, chats, self.recorded_thinking, space)
+        if self._shared_decode():
+            ids = [x[1] for x in encoded]
+            for j, i in enumerate(self._decoder().add(ids, self._limits(ids))):
+                self._owner[i] = (run, j)
+            run.outstanding = len(ids)
+        return run
+
+    def _open_ahead(self, task: Task) -> _TaskRun | None:
+        """The lookahead task opened, or None where it cannot be now (its own call will say why)."""
+        try:
+            return self._open(task)
+        except Exception:  # noqa: BLE001 - the task fails in its own call, with its own error
+            return None
+
+    def _take_ahead(self, task: Task) -> _TaskRun | None:
+        """The lookahead opened by the previous call when it is `task`; any other is dropped."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and (ahead.task.name, ahead.task.records) == (task.name, task.records):
+            return ahead
+        if ahead is not None:
+            self._ahead = ahead
+            self._drop_ahead()
+        return None
+
+    def _drop_ahead(self) -> None:
+        """Abort the lookahead's shard and reset the shared decode (after an error, or a lookahead not run)."""
+        if self._ahead is not None:
+            self._ahead.shard.abort()
+            self._ahead = None
+        self._decode, self._stream, self._owner = None, None, {}
+
+    def _shared_decode(self) -> bool:
+        """Greedy regeneration shares one decode across tasks; sampling draws each task from its own seed."""
+        return self.s.mode == "regenerate" and not self.s.sampling.do_sample
+
+    def _overlaps(self, run: _TaskRun) -> bool:
+        """The next task may join while `run` decodes: a shared decode, and no conversation rounds to run after it."""
+        return self._shared_decode() and not run.chats
+
+    def _decoder(self) -> ContinuousDecode:
+        if self._decode is None:
+            s = self.s
+            self._decode = ContinuousDecode(
+                self.model, list(s.layer_ids), self.stop_ids, self.pad_id, s.sampling, None, self.layout.teacher_topk
+            )
+        return self._decode
+
+    def _limits(self, ids: list[list[int]]) -> list[int]:
+        return [min(self.s.max_new_tokens, self.s.max_length - len(p)) for p in ids]
+
+    def _decode_task(self, run: _TaskRun) -> None:
+        """Decode until every single-turn sequence of `run` is in its shard (and those of the lookahead that end
+        meanwhile in the lookahead's)."""
+        if not self._shared_decode():
+            for i, out in self._capture(run.encoded, task_seed(self.s.seed, run.task.name, 0)):
+                run.store(run.encoded[i][0].seq_id, out)
+            return
+        while run.outstanding:
+            i, out = self._next_sequence()
+            owner, j = self._owner.pop(i)
+            owner.store(owner.encoded[j][0].seq_id, out)
+            owner.outstanding -= 1
+
+    def _next_sequence(self):
+        """The shared decode's next (index, Captured); a decode that ran dry restarts on prompts queued since."""
+        while True:
+            if self._stream is None:
+                self._stream = self._decode.run(self.batch_size, self.prefill_tokens)
+            try:
+                return next(self._stream)
+            except StopIteration:
+                self._stream = None
+                if not self._decode.waiting:
+                    raise RuntimeError("the capture decode ended with sequences of a task not returned") from None
 
     def max_tokens(self, encoded) -> int:
         """The most rows the encoded records can make: captured as they are, or each prompt plus its longest
@@ -289,8 +435,9 @@ class CaptureWorker:
         return sum(min(len(x[1]) + self.s.max_new_tokens, self.s.max_length) for x in encoded)
 
     def _capture(self, encoded, seed: int):
-        """(index into `encoded`, Captured) as each sequence is done. Regenerate: one continuously batched decode
-        over the task's prompts, in the order sequences end. Capture: one prefill a batch, in order."""
+        """(index into `encoded`, Captured) as each sequence is done, for one task alone. Regenerate (sampled): one
+        continuously batched decode over the task's prompts drawing from `seed`, in the order sequences end. Capture:
+        one prefill a batch, in order."""
         ids, layers, topk = [x[1] for x in encoded], list(self.s.layer_ids), self.layout.teacher_topk
         if self.s.mode == "capture":
             for group in token_batches([len(x) for x in ids], self.prefill_tokens):
@@ -302,7 +449,7 @@ class CaptureWorker:
             self.model,
             ids,
             layers,
-            max_new_tokens=[min(self.s.max_new_tokens, self.s.max_length - len(p)) for p in ids],
+            max_new_tokens=self._limits(ids),
             stop_ids=self.stop_ids,
             pad_id=self.pad_id,
             sampling=self.s.sampling,

@@ -42,7 +42,7 @@ def test_defaults_come_from_the_schema():
     assert config.model.name == "smollm2-135m" and config.data.name == "offline"
     assert config.drafter == DrafterConfig()  # DraftSpec's block and depth, the formula's layers
     assert config.features_dir == "runs/smollm2-135m/features"
-    assert config.data.store.dtype == "bfloat16" and config.cluster.num_actors == 1
+    assert config.data.store.dtype == "bfloat16" and config.cluster.num_actors == "auto"
 
 
 def test_a_profile_sets_its_groups_and_the_block_size_in_one_place():

@@ -147,8 +147,8 @@ def test_the_lock_of_a_killed_capture_is_taken_over(tmp_path, target):
     assert (store / WRITER_LOCK).read_text() == ""  # a clean end leaves no holder behind
 
 
-def fleet_run(store, target, records, on_result=None):
-    settings = settings_for(target, max_new_tokens=8)
+def fleet_run(store, target, records, on_result=None, writer_threads="auto"):
+    settings = settings_for(target, max_new_tokens=8, writer_threads=writer_threads)
     writer = open_store(store, settings, sources=["test"], store_options=dict(shard_tokens=256, chunk_tokens=32))
     fleet = FleetConfig(num_actors=0, shard_size=2)
     return run_fleet(store, records, settings, writer, fleet, on_result=on_result, progress=False)
@@ -249,7 +249,8 @@ def test_a_capture_stops_at_the_first_shard_the_disk_cannot_hold_and_resumes_onc
     assert stored_once(store) == prompt_ids(limit) and leftovers(store) == []
 
 
-def test_a_disk_that_fills_under_a_run_is_named_and_leaves_no_temporary_files(tmpfs, target):
+@pytest.mark.parametrize("writer_threads", ["auto", 1])  # auto on a CPU: shards written in the decode loop
+def test_a_disk_that_fills_under_a_run_is_named_and_leaves_no_temporary_files(tmpfs, target, writer_threads):
     store = tmpfs / "store"
     filled = []
 
@@ -257,13 +258,36 @@ def test_a_disk_that_fills_under_a_run_is_named_and_leaves_no_temporary_files(tm
         if not filled:
             filled.append(fill(tmpfs))
 
-    summary = fleet_run(store, target, load_prompts("humaneval", limit=6), on_result=fill_disk)
+    records = load_prompts("humaneval", limit=6)
+    summary = fleet_run(store, target, records, on_result=fill_disk, writer_threads=writer_threads)
     lines = "\n".join(summary.lines())
     assert not summary.ok and summary.shards_done == 1
     assert f"FAILED shard shard-00001 after 1 attempt(s): DiskFullError: not enough space for shard {store}" in lines
-    # the run's bookkeeping met the full disk itself: the manifest update is named, its temp file removed
-    assert f"no space left on device writing {store}/" in summary.stopped and " bytes free there" in summary.stopped
+    assert summary.stopped.startswith("the run stopped: disk full at shard shard-00001")
     assert leftovers(store) == [] and len(stored_once(store)) == 2
+    # shard-00001 was opened ahead (its prompts joined the decode) before the disk filled: its temporary folder is
+    # deleted before the run writes its record, and the record then fits where that folder was
+    last_run = read_manifest(store)["last_run"]
+    assert [f["shard"] for f in last_run["failed_shards"]] == ["shard-00001"]
+    assert "DiskFullError: not enough space for shard" in last_run["failed_shards"][0]["error"]
+    filled[0].unlink()
+
+
+def test_a_disk_that_fills_as_the_last_shard_commits_names_the_run_record_it_could_not_write(tmpfs, target):
+    store = tmpfs / "store"
+    filled = []
+
+    def fill_disk(result):  # another program takes the disk as the last shard commits: the run has nothing to free
+        if result["info"]["name"] == "shard-00002":
+            filled.append(fill(tmpfs))
+
+    summary = fleet_run(store, target, load_prompts("humaneval", limit=6), on_result=fill_disk)
+    assert filled and summary.shards_done == 3 and not summary.failed and not summary.ok
+    # the run's bookkeeping met the full disk itself: the manifest update is named, its temp file removed
+    assert summary.stopped.startswith("the run's last_run not written: DiskFullError: no space left on device")
+    assert f"no space left on device writing {store}/" in summary.stopped and " bytes free there" in summary.stopped
+    assert "FAILED: the run's last_run not written" in "\n".join(summary.lines())
+    assert leftovers(store) == [] and len(stored_once(store)) == 6
     filled[0].unlink()
 
 

@@ -50,10 +50,13 @@ def contents(store):
 
 
 def same(a, b):
+    """The same sequences token for token, features within the bf16 store's rounding: which prompts share a decode
+    batch depends on the fleet (a worker's next task joins its decode), and rows and padding change the order of
+    floating-point sums."""
     assert sorted(a) == sorted(b)
     for k in a:
         assert (a[k].input_ids == b[k].input_ids).all() and (a[k].loss_mask == b[k].loss_mask).all()
-        assert torch.equal(a[k].features, b[k].features)
+        assert torch.allclose(a[k].features.float(), b[k].features.float(), rtol=1e-2, atol=1e-3)
 
 
 def test_two_actors_equal_one_and_a_killed_worker_loses_nothing(tmp_path, ray_local, target, records):

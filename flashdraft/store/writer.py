@@ -64,6 +64,12 @@ _IDENTITY_KEYS = (
 )
 
 
+class _Here:
+    """An executor's `map`, run in the calling thread."""
+
+    map = map
+
+
 class ShardWriter:
     """Writes one shard: appends are buffered to `shard_tokens` rows, then encoded as inner chunks of
     `chunk_tokens` rows and streamed to one data file per array; commit appends each file's shard index, writes
@@ -73,10 +79,12 @@ class ShardWriter:
     commit deletes the temp dir too, whoever called it; a full disk raises DiskFullError naming the shard.
     """
 
-    def __init__(self, store_path: str | Path, name: str, layout: StoreLayout):
+    def __init__(self, store_path: str | Path, name: str, layout: StoreLayout, pool=None):
+        """`pool`: an executor (concurrent.futures) that encodes a write block's inner chunks in parallel; None: here,
+        one after the other."""
         import zarr
 
-        self.layout, self.name = layout, name
+        self.layout, self.name, self.pool = layout, name, pool
         self.final = shard_dir(store_path, name)
         if self.final.exists():
             raise StoreError(f"shard {self.final} already exists")
@@ -116,8 +124,8 @@ class ShardWriter:
         if final and len(data) % ct:
             pad = np.zeros((ct - len(data) % ct, *data.shape[1:]), dtype=data.dtype)
             data = np.concatenate([data, pad])
-        for a in range(0, len(data), ct):
-            blob = self.layout.encode_chunk(data[a : a + ct])
+        blocks = (data[a : a + ct] for a in range(0, len(data), ct))
+        for blob in (self.pool or _Here).map(self.layout.encode_chunk, blocks):
             entries.append((f.tell(), len(blob)))
             f.write(blob)
 

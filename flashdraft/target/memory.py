@@ -25,7 +25,7 @@ import torch
 
 from flashdraft.target.family import text_config
 
-CACHE_HEADROOM = 0.25  # the decode cache's spare capacity, a share of its length (pipeline.capture._GrowingLayer)
+CACHE_HEADROOM = 0.25  # the decode cache's spare capacity, a share of its length (pipeline.slotcache)
 DEFAULT_FRACTION = 0.85  # of the free memory; the rest absorbs allocator fragmentation and what is not counted
 MAX_DECODE_ROWS = 512  # beyond this a decode step is bound by reading the cache, not the weights: no gain
 

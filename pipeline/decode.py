@@ -1,0 +1,294 @@
+"""The continuously batched decode that `pipeline.capture.regenerate` runs, built to keep a GPU busy.
+
+A batch of slots (`SlotCache`) that sequences join and leave: a sequence that ends frees its slot without copying the
+cache; waiting prompts are prefilled together and written into free slots in place. Per slot the device holds the
+next token, position, response length, limit and end flags; the host (`SlotRows`) holds which prompt each slot
+serves and the tokens, features and teacher rows of its sequence so far. Prompts can be added while it runs (`add`):
+a capture worker adds the next task's prompts before the current task's have all ended.
+
+A step is launched (forward, next tokens, the device-to-host copies of what the host needs queued: `_launch`) and
+its results are read on the host afterwards (`_collect`). With `overlap` (the default on CUDA) a step's results are
+read once the next step is launched, so the host's bookkeeping runs while the device computes; a sequence that ends
+is then fed one step more, whose results are dropped. Nothing in a step loops over rows in Python or waits for the
+device, except the wait for the copies of the step being read. Ended slots are refilled by joining prompts; with
+none waiting they are removed once `refill_at` have gathered (the one scheduled whole-cache copy).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import torch
+from transformers import DynamicCache
+
+from flashdraft.target.capture import LayerTap
+from pipeline.capture import Captured, check_finite, left_pad, pick_tokens, token_batches
+from pipeline.hostcopy import HostCopy
+from pipeline.slotcache import SlotCache
+
+# the per-slot state on the device: name -> dtype
+STATE = {
+    "tok": torch.long,  # the token the next step feeds
+    "pos": torch.long,  # its position
+    "lengths": torch.long,  # response tokens so far, that one included
+    "limits": torch.long,  # max new tokens
+    "stopped": torch.bool,  # that token is a stop token
+    "ending": torch.bool,  # that token is the sequence's last (a stop token or the limit)
+}
+
+
+class ContinuousDecode:
+    """`add` prompts, then iterate `run` for (prompt index, Captured) as sequences end."""
+
+    def __init__(self, model, layer_ids, stop_ids, pad_id, sampling, generator, teacher_topk, overlap=None):
+        self.model, self.layer_ids = model, layer_ids
+        self.pad_id, self.sampling, self.generator, self.teacher_topk = pad_id, sampling, generator, teacher_topk
+        self.device = next(model.parameters()).device
+        self.overlap = self.device.type == "cuda" if overlap is None else overlap
+        self.stops = torch.as_tensor(stop_ids or [-1], device=self.device)
+        self.prompts: list[list[int]] = []
+        self.limits: list[int] = []
+        self.waiting: deque[int] = deque()
+        self.cache: SlotCache | None = None
+        self.mask: torch.Tensor | None = None  # [slots, cache width]
+        self.state = {name: torch.zeros(0, dtype=dtype, device=self.device) for name, dtype in STATE.items()}
+        self.host = SlotRows(teacher_topk)
+        self.pending = None  # a launched step whose results are not read yet (overlap)
+
+    def add(self, prompts: list[list[int]], limits: list[int]) -> range:
+        """Queue prompts, each with its max new tokens; returns their indices in what `run` yields."""
+        if len(limits) != len(prompts) or any(n < 1 for n in limits):
+            raise ValueError(f"max_new_tokens must be >= 1 for every prompt, got {limits}")
+        first = len(self.prompts)
+        self.prompts += prompts
+        self.limits += limits
+        self.waiting.extend(range(first, len(self.prompts)))
+        return range(first, len(self.prompts))
+
+    @torch.no_grad()
+    def run(self, batch_size: int, prefill_tokens: int | None = None):
+        """Yield (prompt index, Captured) as sequences end, until none is waiting or decoding."""
+        refill_at = max(1, batch_size // 8)  # free rows worth a prefill
+        while True:
+            live = self.host.live_count()
+            if self.waiting and (batch_size - live >= refill_at or not live):
+                joining = [self.waiting.popleft() for _ in range(min(batch_size - live, len(self.waiting)))]
+                for group in token_batches([len(self.prompts[i]) for i in joining], prefill_tokens):
+                    self._admit([joining[g] for g in group])
+            elif not self.waiting and live and self.host.dead_count() >= refill_at:
+                yield from self._collect_pending()  # slot numbers change below
+                self._compact()
+            if not self.host.live_count():
+                yield from self._collect_pending()
+                if not self.waiting:
+                    return
+                continue
+            launched = self._launch()
+            if self.overlap:
+                yield from self._collect_pending()
+                self.pending = launched
+            else:
+                yield from self._collect(*launched)
+
+    def _collect_pending(self):
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            yield from self._collect(*pending)
+
+    def _forward(self, **kwargs):
+        """One target forward; returns its output and the chosen layers' features, on the device."""
+        with LayerTap(self.model, self.layer_ids) as tap:
+            out = self.model(**kwargs, use_cache=True, logits_to_keep=1)
+            return out, tap.features()
+
+    def _admit(self, joining: list[int]) -> None:
+        """Prefill the joining prompts together and write them into free slots."""
+        ids, new_mask, new_pos = left_pad([self.prompts[i] for i in joining], self.pad_id, self.device)
+        prefilled = DynamicCache(config=self.model.config)
+        out, prompt_feats = self._forward(input_ids=ids, attention_mask=new_mask, position_ids=new_pos, cache=prefilled)
+        if self.cache is None:
+            self.cache = SlotCache(self.model, prefilled)
+            self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
+        slots = self._free_slots(len(joining))
+        extra = ids.shape[1] - self.cache.width
+        if extra > 0:
+            self.mask = torch.cat([self.mask.new_zeros(len(self.mask), extra), self.mask], dim=1)
+        self.cache.write_rows(slots, prefilled)
+        self.mask[slots] = 0
+        self.mask[slots, self.mask.shape[1] - ids.shape[1] :] = new_mask
+        tok = pick_tokens(out.logits[:, -1], self.sampling, self.generator)
+        limits = torch.as_tensor([self.limits[i] for i in joining], device=self.device)
+        stopped, lengths = torch.isin(tok, self.stops), torch.ones_like(tok)
+        new = dict(tok=tok, pos=new_pos[:, -1] + 1, lengths=lengths, limits=limits, stopped=stopped)
+        new["ending"] = stopped | (lengths >= limits)
+        # out of place: a launched step's copies may still read the old tensors
+        self.state = {name: x.index_put((slots,), new[name]) for name, x in self.state.items()}
+        top = _device_topk(out.logits[:, -1], self.teacher_topk) if self.teacher_topk else {}
+        host = HostCopy(self.device, feats=prompt_feats, **top).wait()
+        self.host.admit(slots.tolist(), joining, [self.prompts[i] for i in joining], host)
+        self._trim()
+
+    def _free_slots(self, n: int) -> torch.Tensor:
+        """`n` slots for joining prompts: ended ones first, then new ones added to the batch."""
+        free = self.host.dead_slots()[:n]
+        missing = n - len(free)
+        if missing:
+            first = len(self.mask)
+            self.cache.add_rows(missing)
+            self.mask = torch.cat([self.mask, self.mask.new_zeros(missing, self.mask.shape[1])])
+            self.state = {name: torch.cat([x, x.new_zeros(missing)]) for name, x in self.state.items()}
+            self.host.add_slots(missing)
+            free += list(range(first, first + missing))
+        return torch.as_tensor(free, device=self.device)
+
+    def _launch(self) -> tuple[HostCopy, tuple]:
+        """Feed each slot's next token: its state is that token's feature, its logits give the next token. Queues the
+        copies of what the host needs (features, fed tokens and their end flags, teacher rows); returns them with
+        the slots' (live, version) at launch."""
+        s = self.state
+        fed = dict(tok=s["tok"], end=s["ending"], stop=s["stopped"])
+        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
+        out, feats = self._forward(
+            input_ids=s["tok"][:, None], attention_mask=self.mask, position_ids=s["pos"][:, None], cache=self.cache
+        )
+        if self.teacher_topk:
+            fed |= _device_topk(out.logits[:, -1], self.teacher_topk)
+        tok = pick_tokens(out.logits[:, -1], self.sampling, self.generator)
+        stopped, lengths = torch.isin(tok, self.stops), s["lengths"] + 1
+        self.state = dict(s, tok=tok, pos=s["pos"] + 1, lengths=lengths, stopped=stopped)
+        self.state["ending"] = stopped | (lengths >= s["limits"])
+        return HostCopy(self.device, feats=feats[:, 0], **fed), self.host.snapshot()
+
+    def _collect(self, launched: HostCopy, rows: tuple):
+        """Record a launched step's results into the slots that still hold the sequences it fed; yield the
+        sequences that ended with it."""
+        ended = self.host.record(rows, launched.wait())
+        if ended:  # their columns are trimmed at the next admission or compaction (a trim waits for the device)
+            self.mask[torch.as_tensor([slot for slot, _, _ in ended], device=self.device)] = 0
+        for _, i, captured in ended:
+            yield i, captured
+
+    def _compact(self) -> None:
+        """Remove the ended slots (a copy of the cache; scheduled: when enough have gathered and none refill them)."""
+        keep = torch.as_tensor(self.host.keep_live(), device=self.device)
+        self.cache.select_rows(keep)
+        self.mask = self.mask[keep]
+        self.state = {name: x[keep] for name, x in self.state.items()}
+        self._trim()
+
+    def _trim(self) -> None:
+        """Drop the leading columns that no slot attends to (a view: nothing copied)."""
+        lead = int((self.mask.sum(0) == 0).int().cumprod(0).sum())
+        lead = min(lead, self.mask.shape[1] - 1)  # the width never reaches zero
+        if lead > 0:
+            self.cache.drop_left(lead)
+            self.mask = self.mask[:, lead:]
+
+
+def _device_topk(logits: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
+    """[B, V] logits -> ids and log-probs [B, k] of the k most likely next tokens, where the logits are."""
+    top = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    return {"top_ids": top.indices, "top_logp": top.values}
+
+
+class SlotRows:
+    """The host side of the slots: the prompt each serves (None: ended), a version that changes when a slot is
+    refilled, and per slot the tokens, features and teacher rows of its sequence so far, in buffers
+    [slots, capacity, ...] that a step writes with one indexed copy each."""
+
+    def __init__(self, teacher_topk: int):
+        self.k = teacher_topk
+        self.prompt: list[int | None] = []
+        self.prompt_len: list[int] = []
+        self.live = torch.zeros(0, dtype=torch.bool)
+        self.version = torch.zeros(0, dtype=torch.long)
+        self.wpos = torch.zeros(0, dtype=torch.long)  # rows written so far, per slot
+        self.buf: dict[str, torch.Tensor] = {}
+
+    def live_count(self) -> int:
+        return int(self.live.sum())
+
+    def dead_count(self) -> int:
+        return len(self.live) - self.live_count()
+
+    def dead_slots(self) -> list[int]:
+        return (~self.live).nonzero()[:, 0].tolist()
+
+    def snapshot(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(live, version) of the slots when a step is launched."""
+        return self.live.clone(), self.version.clone()
+
+    def add_slots(self, n: int) -> None:
+        self.prompt += [None] * n
+        self.prompt_len += [0] * n
+        self.live, self.version, self.wpos = (
+            torch.cat([x, x.new_zeros(n)]) for x in (self.live, self.version, self.wpos)
+        )
+        self.buf = {name: torch.cat([b, b.new_zeros(n, *b.shape[1:])]) for name, b in self.buf.items()}
+
+    def keep_live(self) -> list[int]:
+        """Drop the ended slots; returns the slots kept, in order."""
+        keep = self.live.nonzero()[:, 0].tolist()
+        self.prompt = [self.prompt[s] for s in keep]
+        self.prompt_len = [self.prompt_len[s] for s in keep]
+        self.live, self.version, self.wpos = self.live[keep], self.version[keep], self.wpos[keep]
+        self.buf = {name: b[keep] for name, b in self.buf.items()}
+        return keep
+
+    def _ensure(self, rows: int, feats: torch.Tensor) -> None:
+        """Buffers that hold at least `rows` rows a slot (`feats`: a features tensor, for its width and dtype)."""
+        if not self.buf:
+            n, specs = len(self.live), {"tokens": ((), torch.long), "feats": ((feats.shape[-1],), feats.dtype)}
+            if self.k:
+                specs |= {"top_ids": ((self.k,), torch.long), "top_logp": ((self.k,), torch.float32)}
+            self.buf = {name: torch.zeros(n, 0, *shape, dtype=dtype) for name, (shape, dtype) in specs.items()}
+        cap = self.buf["tokens"].shape[1]
+        if rows > cap:
+            more = max(rows, int(cap * 1.5) + 64) - cap
+            self.buf = {
+                name: torch.cat([b, b.new_zeros(len(b), more, *b.shape[2:])], 1) for name, b in self.buf.items()
+            }
+
+    def admit(self, slots: list[int], joining: list[int], prompts: list[list[int]], host: dict) -> None:
+        """Joining prompts into `slots`: their tokens, prompt features (rows of a left-padded prefill) and teacher rows
+        (none before the last prompt token; the last one's top-k predicts the first response token)."""
+        feats = host["feats"]
+        self._ensure(max(len(p) for p in prompts) + 1, feats)
+        width = feats.shape[1]
+        for r, (s, i, p) in enumerate(zip(slots, joining, prompts)):
+            n = len(p)
+            self.prompt[s], self.prompt_len[s] = i, n
+            self.live[s], self.wpos[s] = True, n
+            self.version[s] += 1
+            self.buf["tokens"][s, :n] = torch.as_tensor(p, dtype=torch.long)
+            self.buf["feats"][s, :n] = feats[r, width - n :]
+            if self.k:
+                self.buf["top_ids"][s, : n - 1], self.buf["top_logp"][s, : n - 1] = 0, -math.inf
+                self.buf["top_ids"][s, n - 1], self.buf["top_logp"][s, n - 1] = host["top_ids"][r], host["top_logp"][r]
+
+    def record(self, rows: tuple[torch.Tensor, torch.Tensor], host: dict) -> list[tuple[int, int, Captured]]:
+        """A step's results into the slots that held the same sequences when it was launched and still do; returns
+        (slot, prompt index, Captured) of each sequence that ended with it (its slot is free from then on)."""
+        launched_live, launched_version = rows
+        write = (launched_live & self.live & (launched_version == self.version)).nonzero()[:, 0]
+        if not len(write):
+            return []
+        at = self.wpos[write]
+        self._ensure(int(at.max()) + 1, host["feats"])
+        self.buf["tokens"][write, at] = host["tok"][write]
+        for name in ("feats", "top_ids", "top_logp") if self.k else ("feats",):
+            self.buf[name][write, at] = host[name][write]
+        self.wpos[write] += 1
+        ended = write[host["end"][write]].tolist()
+        done = [(s, self.prompt[s], self._captured(s, bool(host["stop"][s]))) for s in ended]
+        for s in ended:
+            self.prompt[s], self.live[s] = None, False
+        return done
+
+    def _captured(self, s: int, finished: bool) -> Captured:
+        n, p = int(self.wpos[s]), self.prompt_len[s]
+        features = self.buf["feats"][s, :n].clone()
+        check_finite(features, f"prompt {self.prompt[s]}")
+        top = (self.buf["top_ids"][s, :n].clone(), self.buf["top_logp"][s, :n].clone()) if self.k else None
+        return Captured(self.buf["tokens"][s, :n].clone(), torch.arange(n) >= p, features, finished, top)
