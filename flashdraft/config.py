@@ -228,6 +228,9 @@ class TrainConfig:
     log_every: int = 1
     seed: int = 0
     resume: bool = True  # continue from the latest checkpoint in out_dir
+    # stop once a step's training tau (sum over ranks) reaches this many tokens (None: train every planned step); the
+    # overfit gate (benchmarks/gate.py) stops near the block size with it
+    stop_tau: float | None = None
     check_target: bool = True  # refuse stores captured from another target (config and tokenizer hashes)
     # the stores' checksums before step 1: full (every inner chunk, the work split over the ranks) | sample (every
     # shard's attributes and every array's index, `verify_sample` of the inner chunks) | off. sample by default: full
@@ -297,6 +300,31 @@ class EvalConfig:
     replay_store: str | None = None  # the eval prompts' store: served-order replay
 
 
+# --- gate (the root node `gate`; read by benchmarks/gate.py, `make gate`) -----------------------------
+
+
+GATE_PLANTS = ("labels+1", "layers-1")
+GATE_ENGINES = ("harness", "reference", "llamacpp")
+
+
+@dataclass
+class GateConfig:
+    """The overfit gate: capture `sequences` prompts' responses, train a drafter on them until its training tau is
+    near the block size, export it, serve those prompts greedily in each engine; each must commit at least
+    `threshold` x block size tokens a round. `plant` puts a known train/serve mismatch in, which must fail it."""
+
+    sequences: int = 4  # prompts captured, trained on and served (data.limit; the first of data.sources' split)
+    max_new_tokens: int = 64  # response tokens each, at capture and when served
+    max_steps: int = 400  # training steps at most
+    train_tau: float = 0.98  # stop training once a step's training tau reaches this share of the block size
+    threshold: float = 0.9  # each engine must commit at least this share of the block size a round (its tau)
+    # null | labels+1: train each block position on the token after its own (a label offset) | layers-1: serve the
+    # drafter with every target layer id one lower than it was trained on (a layer-id offset at serve time)
+    plant: str | None = None
+    engines: list[str] = field(default_factory=lambda: ["harness", "reference"])  # of GATE_ENGINES
+    out_dir: str = "${run_dir}/gate"  # store, training run, drafter and report (cleared at each run)
+
+
 # --- the root ---------------------------------------------------
 
 
@@ -308,6 +336,7 @@ class Config:
     eval: EvalConfig = MISSING
     cluster: ClusterConfig = MISSING
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    gate: GateConfig = field(default_factory=GateConfig)
     seed: int = 0
     run_dir: str = "runs/${model.name}"
     features_dir: str = "${run_dir}/features"

@@ -21,6 +21,9 @@ from transformers import Qwen3Config
 from flashdraft.target.family import text_config
 
 DEFAULT_NUM_FEATURES = 5  # how many target layers the reference formula picks
+# config.json's record of the thinking mode the drafter was trained in ("on", "off", "mixed", null: not recorded),
+# written by the trainer, read by the harness (which warns when it evaluates another mode); engines ignore it
+TRAINED_THINKING_KEY = "flashdraft_trained_thinking"
 
 # The remote-code entry the published z-lab drafters carry: class `DFlashDraftModel` of a `dflash.py` module. We ship
 # no `dflash.py`: SGLang and vLLM dispatch on `architectures`, the `dflash` package imports its own class, and our own

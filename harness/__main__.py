@@ -39,7 +39,7 @@ from flashdraft.target import (
 )
 from flashdraft.vocab import frequent_tokens
 from harness.datastore import Datastore
-from harness.drafter import DrafterProposer, load_drafter, loop_block_size
+from harness.drafter import DrafterProposer, load_drafter, loop_block_size, thinking_warning
 from harness.evaluate import (
     UNTRAINED_WARNING,
     build_prompts,
@@ -175,6 +175,12 @@ def build(cfg: Config, exact: dict) -> Bench:
         if untrained:
             print(f"\n{'!' * 100}\n!!! {UNTRAINED_WARNING}\n{'!' * 100}\n", file=sys.stderr, flush=True)
     chat = cfg.model.chat
+    modes = thinking_modes(
+        thinking_setting(config.thinking, "eval.thinking", ("on", "off", "both")), chat.enable_thinking
+    )
+    thinking_note = thinking_warning(drafter.config, modes) if proposer and not untrained else None
+    if thinking_note:
+        print(f"warning: {thinking_note}", file=sys.stderr, flush=True)
     prompts = build_prompts(
         tokenizer,
         config.prompts,
@@ -183,9 +189,7 @@ def build(cfg: Config, exact: dict) -> Bench:
         system_prompt=chat.system_prompt,
         enable_thinking=chat.enable_thinking,
         turns=config.turns,
-        modes=thinking_modes(
-            thinking_setting(config.thinking, "eval.thinking", ("on", "off", "both")), chat.enable_thinking
-        ),
+        modes=modes,
     )
     proposer, vocab_info = with_draft_vocab(proposer, config, prompts, target.config.vocab_size)
     datastore, datastore_info = load_datastore(config, prompts)
@@ -197,6 +201,7 @@ def build(cfg: Config, exact: dict) -> Bench:
         "datastore": datastore_info,
         "draft_vocab": vocab_info,
         "exact": exact,
+        "thinking_warning": thinking_note,
     }
     policies = build_policies(config.methods, settings, proposer, datastore)
     return Bench(target, tokenizer, prompts, settings, policies, proposer, untrained, loaded_target, facts)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from flashdraft.model import DFlashDrafter
-from flashdraft.spec import DraftSpec, capture_layer_ids
+from flashdraft.spec import TRAINED_THINKING_KEY, DraftSpec, capture_layer_ids
 from flashdraft.target import choose_mask_token, family_of, text_config
 
 
@@ -51,6 +51,24 @@ def check_drafter_fits(drafter, target, path) -> None:
         problems.append(f"target_layer_ids {bad} outside the target's {tc.num_hidden_layers} layers")
     if problems:
         raise ValueError(f"drafter {path} does not fit the target: " + "; ".join(problems))
+
+
+def thinking_warning(drafter_config, modes) -> str | None:
+    """A warning where the harness evaluates a thinking mode (`modes`: the enable_thinking values of the eval,
+    `harness.evaluate.thinking_modes`; None: the chat default, not compared) other than the one the drafter's
+    config.json records it was trained in (`flashdraft_trained_thinking`: "on" | "off"; "mixed" or unrecorded:
+    nothing to warn of). A drafter accepts well only in the modes it was trained on."""
+    trained = getattr(drafter_config, TRAINED_THINKING_KEY, None)
+    if trained not in ("on", "off"):
+        return None
+    others = sorted({"on" if m else "off" for m in modes if m is not None} - {trained})
+    if not others:
+        return None
+    return (
+        f"the drafter was trained with thinking {trained} ({TRAINED_THINKING_KEY} in its config.json) and is "
+        f"evaluated with thinking {' and '.join(others)}: expect lower acceptance there (train on data.thinking=mixed "
+        "to serve both)"
+    )
 
 
 def loop_block_size(asked: int | None, drafter, where: str) -> int:

@@ -117,6 +117,12 @@ class TrainingData:
     def __len__(self) -> int:
         return len(self.seq_ids)
 
+    def thinking_modes(self) -> list[bool | None]:
+        """Each training sequence's recorded chat-template thinking mode (None: not recorded); held-out ones left
+        out."""
+        modes = [m for r in self.readers for m in r.thinking]
+        return [m for m, held in zip(modes, self.heldout) if not held]
+
     def plan(
         self,
         epoch: int,

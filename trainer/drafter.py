@@ -36,6 +36,17 @@ def drafter_spec(cfg: TrainConfig, drafter: DrafterConfig, target_config) -> Dra
     return DraftSpec.from_settings(drafter, store_layer_ids(manifests, drafter.layer_ids), mask_token_id)
 
 
+def trained_thinking(modes) -> str | None:
+    """The thinking mode a drafter is trained in, from its training sequences' recorded modes (True, False, None:
+    not recorded): "on", "off", "mixed", or None where no sequence recorded one (a target without thinking, or
+    stores older than the record). Exported as config.json's `flashdraft_trained_thinking`: the harness warns when it
+    evaluates another mode."""
+    seen = {bool(m) for m in modes if m is not None}
+    if not seen:
+        return None
+    return "mixed" if len(seen) == 2 else ("on" if True in seen else "off")
+
+
 def init_weights(model: DFlashDrafter, init: str, target: str, target_config) -> None:
     """train.init: "random" keeps the fresh weights; "target" starts the draft layers as the target's top layers;
     anything else is a drafter folder to fine-tune."""

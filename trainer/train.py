@@ -19,11 +19,11 @@ from tqdm import tqdm
 
 from flashdraft.config import DrafterConfig, TrainConfig
 from flashdraft.model import DFlashDrafter
-from flashdraft.spec import DraftSpec
+from flashdraft.spec import TRAINED_THINKING_KEY, DraftSpec
 from flashdraft.target import load_config, load_frozen_head, text_config
 from trainer.checkpoint import export_drafter, latest_tag, load_checkpoint, read_client_state, save_checkpoint
 from trainer.data import Plan, Prefetcher, TrainingData
-from trainer.drafter import drafter_spec, init_weights
+from trainer.drafter import drafter_spec, init_weights, trained_thinking
 from trainer.engine import (
     all_sum,
     build_engine,
@@ -121,6 +121,7 @@ def train(cfg: TrainConfig, drafter: DrafterConfig) -> dict:
 
     torch.manual_seed(cfg.seed)
     draft_config = spec.draft_config(target_config)
+    setattr(draft_config, TRAINED_THINKING_KEY, trained_thinking(data.thinking_modes()))  # provenance for the harness
     model = DFlashDrafter(draft_config)
     init_weights(model, cfg.init, cfg.target, target_config)
     head = load_frozen_head(cfg.target, dtype=proc.dtype).to(proc.device)
@@ -144,7 +145,8 @@ def train(cfg: TrainConfig, drafter: DrafterConfig) -> dict:
                 progress.advance(epoch, t, num_steps, tokens=int(tally.count))
                 timing = {"lr": lr, "step_time_s": time.perf_counter() - t0, "loader_wait_s": loader.wait_s - wait0}
                 final = step_metrics(tally, engine, cfg.grad_accum * proc.world, timing, epoch, progress.tokens_seen)
-                done = progress.global_step >= total_steps
+                stopping = reached_stop_tau(cfg.stop_tau, final)
+                done = progress.global_step >= total_steps or stopping
                 if every(cfg.log_every, progress.global_step) or done:
                     log.log(final, progress.global_step)
                 bar.set_postfix(loss=f"{final['loss']:.3f}", tau=f"{final['tau']:.2f}", lr=f"{lr:.2e}")
@@ -153,6 +155,14 @@ def train(cfg: TrainConfig, drafter: DrafterConfig) -> dict:
                     final.update(log_eval(log, evaluate(), progress.global_step))
                 if every(cfg.checkpoint_every, progress.global_step) or done:
                     last_saved = save(progress)
+                if stopping:
+                    if is_rank_zero():
+                        print(
+                            f"training tau {final['tau']:.2f} reached train.stop_tau {cfg.stop_tau:g} at step "
+                            f"{progress.global_step}: stopped",
+                            flush=True,
+                        )
+                    break
         if last_saved != progress.global_step:
             save(progress)
         if not every(cfg.eval_every, progress.global_step):
@@ -395,6 +405,11 @@ def log_eval(log: MetricsLog, metrics: dict, step: int) -> dict:
     if metrics:
         log.log(metrics, step)
     return metrics
+
+
+def reached_stop_tau(stop_tau: float | None, metrics: dict) -> bool:
+    """Whether a step's training tau (`metrics`, summed over ranks: every rank decides alike) reached train.stop_tau."""
+    return stop_tau is not None and metrics.get("tau", -math.inf) >= stop_tau
 
 
 def every(n: int, step: int) -> bool:
