@@ -4,7 +4,7 @@ MODEL ?= smollm2-135m
 PY ?= .venv/bin/python
 ARGS ?=
 
-.PHONY: setup features train eval export-gguf llamacpp bench-llamacpp quick full demo test lint clean wheelhouse
+.PHONY: setup features train eval gate export-gguf llamacpp bench-llamacpp quick full demo test lint clean wheelhouse
 
 .venv/.installed: pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
@@ -77,6 +77,15 @@ endif
 
 eval: setup
 	$(PY) -m harness model=$(MODEL) $(PROFILE_ARG) $(ARGS)
+
+# The overfit gate (benchmarks/gate.py, issue #48): capture gate.sequences prompts in-process, train a drafter on them
+# until its training tau nears the block size, export it, serve those prompts greedily in each engine of ENGINES
+# (harness, reference; llamacpp is refused unless a cached build exists); each must commit >= gate.threshold x block
+# size tokens a round, else it prints the first short round and exits 1. ARGS="gate.plant=labels+1" (or layers-1)
+# plants a known mismatch, which must fail it.  make gate ARGS="drafter.num_layers=2"
+ENGINES ?= harness,reference
+gate: setup
+	$(PY) benchmarks/gate.py model=$(MODEL) 'gate.engines=[$(ENGINES)]' $(ARGS)
 
 # The drafter (DRAFTER, default the profile's run: runs/$(PROFILE or quick)-$(MODEL)/drafter) and its target as GGUF
 # with llama.cpp's own converter, into GGUF_DIR (default: gguf/ next to the drafter), weights as GGUF_TYPE (f32 keeps

@@ -1,0 +1,419 @@
+"""The overfit gate (issue #48): a drafter trained to near-certainty on a few sequences must be served at near the
+block size, in our harness and in the reference `dflash` package's loop. Nothing finds a train/serve mismatch (a
+label offset, a context mask, a layer-id offset, a config key an engine reads otherwise) faster.
+
+    make gate [ARGS="drafter.num_layers=2 gate.plant=labels+1"] [ENGINES=harness,reference]
+    .venv/bin/python benchmarks/gate.py [hydra overrides, e.g. model=... gate.sequences=4 gate.engines=[harness]]
+
+1. capture `gate.sequences` prompts of data.sources (the train split) with their greedy responses of
+   `gate.max_new_tokens` tokens, in this process (cluster.num_actors=0), one prompt at a time, float32 by default;
+2. train a drafter of the `drafter` settings on them alone until a step's training tau reaches `gate.train_tau` x
+   block size (train.stop_tau), at most `gate.max_steps` steps; the trainer exports it in the published format;
+3. serve those prompts greedily from that folder in each engine of `gate.engines`: `harness` (our loop,
+   harness/speculative.py) and `reference` (`dflash.model.dflash_generate` with the package's own drafter class);
+   each must commit at least `gate.threshold` x block size tokens a round (its tau). `llamacpp` is refused by name:
+   the gate does not build llama.cpp, and its leg is issue #48 point 2.
+
+It prints the training figures, tau per engine and, for an engine that falls short, the first round that did: the
+sequence, the round, its positions, the drafted tokens against the committed ones. Exit 0: passed; 1: failed;
+2: refused (an engine or a setting it cannot run). `gate.plant` puts a known mismatch in, which must fail it:
+labels+1 trains each block position on the token after its own; layers-1 serves the drafter with every target layer
+id one lower than it was trained on. Everything goes to `gate.out_dir` (cleared first), the report to gate.json.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from entry import compose, typed_config
+from flashdraft.config import GATE_ENGINES, GATE_PLANTS, Config
+
+GATE_OVERRIDES = [  # before the user's overrides, which win
+    "cluster.num_actors=0",  # capture in this process
+    "model.dtype=float32",  # capture and serve alike, no near-tie flips between batch shapes
+    "data.sources=[humaneval]",
+    "data.batch_size=1",
+    "train.num_anchors=512",  # every anchor of every sequence each step
+    "train.token_budget=4096",
+    "train.wandb.mode=disabled",
+]
+LLAMACPP_NOTE = "issue #48 point 2"
+
+
+class GateRefused(ValueError):
+    """An engine or a setting the gate cannot run here (exit 2)."""
+
+
+@dataclass
+class Leg:
+    """One engine's serving of the gate prompts."""
+
+    engine: str
+    rounds: list[list[int]] = field(default_factory=list)  # committed tokens a round, per sequence
+    drafts: list[list[list[int]]] = field(default_factory=list)  # drafted tokens a round, per sequence
+    outputs: list[list[int]] = field(default_factory=list)  # generated tokens, per sequence
+    seconds: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        n = sum(len(r) for r in self.rounds)
+        return sum(map(sum, self.rounds)) / n if n else 0.0
+
+
+def gate_config(overrides: list[str]) -> Config:
+    """conf/config.yaml with the gate's defaults and `overrides`, the data and train settings the gate derives from
+    `gate` filled in."""
+    cfg = typed_config(compose([*GATE_OVERRIDES, *overrides]))
+    g = cfg.gate
+    if g.plant is not None and g.plant not in GATE_PLANTS:
+        raise GateRefused(f"gate.plant must be null or one of {list(GATE_PLANTS)}, got {g.plant!r}")
+    if g.sequences < 1 or g.max_new_tokens < 2 or g.max_steps < 1 or not 0 < g.threshold <= 1:
+        raise GateRefused(
+            f"gate.sequences >= 1, gate.max_new_tokens >= 2, gate.max_steps >= 1 and gate.threshold in (0, 1] "
+            f"(got {g.sequences}, {g.max_new_tokens}, {g.max_steps}, {g.threshold})"
+        )
+    out = Path(g.out_dir)
+    cfg.features_dir = str(out / "features")
+    cfg.drafter_dir = str(out / "drafter")
+    cfg.data = replace(
+        cfg.data, limit=g.sequences, split="train", turns="single", max_new_tokens=g.max_new_tokens, mode="regenerate"
+    )
+    cfg.train = replace(
+        cfg.train,
+        stores=[cfg.features_dir],
+        eval_stores=None,
+        out_dir=str(out / "train"),
+        drafter_dir=cfg.drafter_dir,
+        target=cfg.model.target,
+        max_steps=g.max_steps,
+        epochs=g.max_steps,  # one step an epoch at least: max_steps binds
+        stop_tau=g.train_tau * cfg.drafter.block_size,
+        heldout_fraction=0.0,
+        eval_every=0,
+        checkpoint_every=0,
+        keep_checkpoints=1,
+        resume=False,
+    )
+    return cfg
+
+
+def check_engines(engines) -> list[str]:
+    """The engines asked for, refused by name where unknown or where the gate cannot run them (llamacpp)."""
+    engines = [str(e) for e in engines]
+    unknown = [e for e in engines if e not in GATE_ENGINES]
+    if unknown or not engines:
+        raise GateRefused(f"gate.engines must name some of {list(GATE_ENGINES)}, got {engines}")
+    if "llamacpp" in engines:
+        from llamacpp import tool_path
+
+        tool = tool_path("llama-speculative-simple")
+        if not tool.is_file():
+            raise GateRefused(
+                f"engine llamacpp refused: no cached llama.cpp build ({tool} is missing) and the gate does not build "
+                "it; run `make llamacpp` where a package index is reachable, or leave llamacpp out of ENGINES"
+            )
+        raise GateRefused(
+            f"engine llamacpp refused: llama.cpp is built ({tool}), but its leg of the gate is not wired yet "
+            f"({LLAMACPP_NOTE}); serve the gate drafter with `make bench-llamacpp DRAFTER=<gate.out_dir>/drafter`"
+        )
+    return engines
+
+
+# --- plants --------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def planted_labels(plant: str | None):
+    """labels+1: every block position learns the token after its own (the trainer's labels shifted by one)."""
+    if plant != "labels+1":
+        yield
+        return
+    import trainer.batch as batch
+
+    original = batch.block_labels
+
+    def shifted(input_ids, loss_mask, anchors, block_size, gamma):
+        return original(input_ids, loss_mask, anchors + 1, block_size, gamma)
+
+    batch.block_labels = shifted
+    try:
+        yield
+    finally:
+        batch.block_labels = original
+
+
+def served_drafter(drafter_dir: Path, plant: str | None, out: Path) -> Path:
+    """The folder the engines serve: the exported drafter, or (layers-1) a copy whose config.json names every target
+    layer one lower (an engine that reads the ids without the +1 offset of `hidden_states`)."""
+    if plant != "layers-1":
+        return drafter_dir
+    shutil.copytree(drafter_dir, out, dirs_exist_ok=True)
+    config = json.loads((out / "config.json").read_text())
+    ids = config["dflash_config"]["target_layer_ids"]
+    if min(ids) < 1:
+        raise GateRefused(f"gate.plant=layers-1 needs every target layer id >= 1, the drafter reads {ids}")
+    config["dflash_config"]["target_layer_ids"] = [i - 1 for i in ids]
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+# --- the stages ----------------------------------------------------------------------------------
+
+
+def capture(cfg: Config) -> list[tuple[list[int], list[int]]]:
+    """The gate's store, captured in this process; (prompt, response) token lists of each sequence."""
+    from flashdraft.store import StoreReader
+    from pipeline.__main__ import capture_command
+
+    if capture_command(cfg) != 0:
+        raise RuntimeError(f"the gate's capture into {cfg.features_dir} failed (its summary is above)")
+    pairs = []
+    for ids, mask in StoreReader(cfg.features_dir).token_sequences():
+        first = int(mask.argmax()) if mask.any() else len(ids)
+        pairs.append((ids[:first].tolist(), ids[first:].tolist()))
+    if not pairs:
+        raise RuntimeError(f"the gate's capture stored no sequence in {cfg.features_dir}")
+    return pairs
+
+
+DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@contextlib.contextmanager
+def one_process_group():
+    """The trainer's one-process group and environment, taken down after it (the gate may run again in-process)."""
+    import torch.distributed as dist
+
+    saved = {k: os.environ.get(k) for k in DIST_VARS}
+    had_group = dist.is_available() and dist.is_initialized()
+    try:
+        yield
+    finally:
+        if not had_group and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def train_drafter(cfg: Config) -> dict:
+    """Train on the gate's store (labels shifted where planted); the trainer's last step's metrics."""
+    from trainer.train import train
+
+    t0 = time.perf_counter()
+    with one_process_group(), planted_labels(cfg.gate.plant):
+        final = train(cfg.train, cfg.drafter)
+    final["train_s"] = time.perf_counter() - t0
+    return final
+
+
+def load_serving_target(cfg: Config):
+    from flashdraft.target import load_target
+
+    device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(cfg.model.dtype)
+    if dtype is None:
+        raise GateRefused(f"the gate serves in float32 or bfloat16, got model.dtype={cfg.model.dtype}")
+    return load_target(cfg.model.target, dtype=dtype, device=device, trust_remote_code=cfg.trust_remote_code)
+
+
+class RecordingProposer:
+    """A proposer that keeps each call's greedy drafts (the harness leg's rounds, for the report)."""
+
+    def __init__(self, inner):
+        self.inner, self.drafts = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def start(self) -> None:
+        self.inner.start()
+
+    def __call__(self, block, context, start):
+        logits = self.inner(block, context, start)
+        self.drafts.append(logits.argmax(dim=-1).tolist())
+        return logits
+
+
+def serve_harness(target, drafter_dir: Path, prompts, max_new_tokens: int, stop) -> Leg:
+    from flashdraft.model import DFlashDrafter
+    from flashdraft.target import frozen_head_from_model
+    from harness.drafter import DrafterProposer
+    from harness.policies import ChainPolicy
+    from harness.speculative import speculative_generate
+
+    drafter = DFlashDrafter.from_pretrained(drafter_dir, dtype=target.dtype, device=target.device).eval()
+    proposer = RecordingProposer(DrafterProposer(drafter, frozen_head_from_model(target)))
+    leg, t0 = Leg("harness"), time.perf_counter()
+    for prompt in prompts:
+        proposer.drafts = []
+        out = speculative_generate(
+            target, prompt, ChainPolicy(proposer), max_new_tokens=max_new_tokens, stop_token_ids=stop
+        )
+        leg.rounds.append(list(out.acceptance_lengths))
+        leg.drafts.append(list(proposer.drafts))
+        leg.outputs.append(list(out.tokens))
+    leg.seconds = time.perf_counter() - t0
+    return leg
+
+
+def serve_reference(target, drafter_dir: Path, prompts, max_new_tokens: int, stop) -> Leg:
+    import dflash.model as ref
+
+    drafter = ref.DFlashDraftModel.from_pretrained(str(drafter_dir), dtype=target.dtype).to(target.device).eval()
+    drafts: list = []
+    compute_logits = drafter.compute_logits
+
+    def recording(hidden, head):
+        logits = compute_logits(hidden, head)
+        drafts.append(logits.argmax(dim=-1)[0].tolist())
+        return logits
+
+    drafter.compute_logits = recording
+    saved_clock = ref._cuda_time
+    if target.device.type != "cuda":
+        ref._cuda_time = time.perf_counter  # the package's clock synchronises CUDA
+    leg, t0 = Leg("reference"), time.perf_counter()
+    try:
+        for prompt in prompts:
+            drafts.clear()
+            ids = torch.tensor([prompt], dtype=torch.long, device=target.device)
+            out = ref.dflash_generate(drafter, target, ids, max_new_tokens, list(stop) or None, return_stats=True)
+            leg.rounds.append([int(n) for n in out.acceptance_lengths])
+            leg.drafts.append(list(drafts))
+            leg.outputs.append(out.output_ids[0, len(prompt) :].tolist())
+    finally:
+        ref._cuda_time = saved_clock
+    leg.seconds = time.perf_counter() - t0
+    return leg
+
+
+SERVERS = {"harness": serve_harness, "reference": serve_reference}
+
+
+# --- the verdict ---------------------------------------------------------------------------------
+
+
+def first_short_round(leg: Leg, prompts, block_size: int, need: float) -> dict | None:
+    """The first round committing fewer than `need` tokens, a sequence's last round left out (the token budget or a
+    stop token ends it); its positions, drafts and the tokens committed there. None if there is none."""
+    for s, (rounds, drafts, output) in enumerate(zip(leg.rounds, leg.drafts, leg.outputs)):
+        start = len(prompts[s])  # the newest committed token's position: block[0] of the round
+        for r, committed in enumerate(rounds):
+            if committed < need and r < len(rounds) - 1:
+                gen = start - len(prompts[s])  # index of block[0] among the generated tokens
+                drafted = drafts[r] if r < len(drafts) else []
+                truth = output[gen + 1 : gen + block_size]
+                wrong = next((k for k, (d, t) in enumerate(zip(drafted, truth)) if d != t), None)
+                return {
+                    "sequence": s,
+                    "round": r,
+                    "committed": committed,
+                    "block_positions": [start, start + block_size - 1],
+                    "first_wrong_position": None if wrong is None else start + 1 + wrong,
+                    "drafted": drafted,
+                    "committed_tokens": truth,
+                }
+            start += committed
+    return None
+
+
+def describe_round(short: dict, tokenizer) -> str:
+    def words(ids):
+        return " ".join(repr(tokenizer.decode([t])) for t in ids)
+
+    at = short["first_wrong_position"]
+    return (
+        f"  first short round: sequence {short['sequence']}, round {short['round']}: {short['committed']} tokens "
+        f"committed, block at positions {short['block_positions'][0]}..{short['block_positions'][1]}, "
+        f"first wrong draft at position {at}\n"
+        f"    drafted   {short['drafted']}\n              {words(short['drafted'])}\n"
+        f"    committed {short['committed_tokens']}\n              {words(short['committed_tokens'])}"
+    )
+
+
+def run_gate(cfg: Config, log=print) -> dict:
+    """The whole gate on `cfg` (`gate_config`); the report (also written to gate.json)."""
+    g = cfg.gate
+    engines = check_engines(g.engines)
+    out = Path(g.out_dir)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    block = cfg.drafter.block_size
+    need = g.threshold * block
+    log(
+        f"gate: {g.sequences} sequences of {cfg.data.sources} x {g.max_new_tokens} new tokens, target "
+        f"{cfg.model.target}, block {block}, {cfg.drafter.num_layers} draft layers, plant {g.plant}, engines {engines}"
+    )
+    pairs = capture(cfg)
+    prompts = [p for p, _ in pairs]
+    final = train_drafter(cfg)
+    steps, train_tau = int(final["global_step"]), float(final["tau"])
+    log(
+        f"train: tau {train_tau:.2f}/{block} after {steps} steps ({final['train_s']:.0f} s; stop at "
+        f"{cfg.train.stop_tau:.2f}, at most {g.max_steps} steps)"
+    )
+    served = served_drafter(Path(cfg.drafter_dir), g.plant, out / "drafter-served")
+    target, tokenizer = load_serving_target(cfg)
+    from flashdraft.target import stop_token_ids
+
+    stop = stop_token_ids(target, tokenizer)
+    report = {
+        "config": {"gate": asdict(g), "drafter": asdict(cfg.drafter), "target": cfg.model.target},
+        "train": {"steps": steps, "tau": train_tau, "seconds": final["train_s"], "stop_tau": cfg.train.stop_tau},
+        "need": need,
+        "engines": {},
+    }
+    responses = [r for _, r in pairs]
+    for engine in engines:
+        leg = SERVERS[engine](target, served, prompts, g.max_new_tokens, stop)
+        short = first_short_round(leg, prompts, block, need)
+        passed = leg.tau >= need
+        same = sum(o == r for o, r in zip(leg.outputs, responses))
+        report["engines"][engine] = {
+            "tau": leg.tau,
+            "passed": passed,
+            "rounds": leg.rounds,
+            "first_short_round": short,
+            "outputs_equal_captured": same,
+            "seconds": leg.seconds,
+        }
+        log(
+            f"{engine}: tau {leg.tau:.2f}/{block} over {sum(map(len, leg.rounds))} rounds (need {need:.2f}): "
+            f"{'pass' if passed else 'FAIL'}; outputs equal to the captured responses: {same}/{len(prompts)}"
+        )
+        if short and not passed:
+            log(describe_round(short, tokenizer))
+    legs = report["engines"]
+    if {"harness", "reference"} <= set(legs):
+        report["harness_reference_rounds_equal"] = legs["harness"]["rounds"] == legs["reference"]["rounds"]
+        log(f"harness and reference rounds identical: {report['harness_reference_rounds_equal']}")
+    report["passed"] = all(e["passed"] for e in legs.values())
+    (out / "gate.json").write_text(json.dumps(report, indent=1))
+    log(f"gate {'PASSED' if report['passed'] else 'FAILED'} ({out / 'gate.json'})")
+    return report
+
+
+def main(argv: list[str]) -> int:
+    try:
+        cfg = gate_config(argv)
+        report = run_gate(cfg)
+    except GateRefused as e:
+        print(f"gate refused: {e}", file=sys.stderr)
+        return 2
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
