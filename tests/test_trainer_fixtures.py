@@ -52,10 +52,12 @@ def tiny_store(
     layers=STORE_LAYERS,
     extra=None,
     teacher_topk: int = 0,
+    thinking: bool | None = None,
 ):
     """Random sequences: a prompt (loss_mask False) then a response whose tokens follow a simple
     rule (next = prev + 1 mod 60), so a drafter can learn something in a few steps. With teacher_topk
-    each token also gets a top-k whose first entry is the next token, as a greedy target's would."""
+    each token also gets a top-k whose first entry is the next token, as a greedy target's would; `thinking`: the
+    chat-template mode every sequence records (None: none recorded)."""
     rng = np.random.default_rng(seed)
     seqs = []
     for i in range(n):
@@ -70,7 +72,9 @@ def tiny_store(
         feats[:, :H] += (
             torch.nn.functional.one_hot(torch.as_tensor(ids), H).float() * 3
         )  # the token is visible in the features
-        seqs.append({"seq_id": f"seq{seed}-{i}", "input_ids": ids, "loss_mask": mask, "features": feats})
+        seqs.append(
+            {"seq_id": f"seq{seed}-{i}", "input_ids": ids, "loss_mask": mask, "features": feats, "thinking": thinking}
+        )
         if teacher_topk:
             nxt = np.append(ids[1:], ids[-1])
             others = (nxt[:, None] + 1 + np.arange(teacher_topk - 1)[None, :] * 7) % 60
