@@ -38,6 +38,8 @@ from trainer.objective import attention_mask, draft_hidden
 
 B, MASK = 4, 63
 
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
 
 def sequences(seed: int = 0, n: int = 3):
     """Stored sequences with a prompt (loss_mask False) and a response, and each one's valid anchors."""
