@@ -42,8 +42,6 @@ GATE_OVERRIDES = [  # before the user's overrides, which win
     "model.dtype=float32",  # capture and serve alike, no near-tie flips between batch shapes
     "data.sources=[humaneval]",
     "data.batch_size=1",
-    "train.num_anchors=512",  # every anchor of every sequence each step
-    "train.token_budget=4096",
     "train.wandb.mode=disabled",
 ]
 LLAMACPP_NOTE = "issue #48 point 2"
