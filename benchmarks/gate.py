@@ -187,17 +187,13 @@ DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 @contextlib.contextmanager
-def one_process_group():
-    """The trainer's one-process group and environment, taken down after it (the gate may run again in-process)."""
-    import torch.distributed as dist
-
+def trainer_environment():
+    """The variables of the trainer's one-process start (trainer.engine.setup_distributed_env), put back after it.
+    Its process group stays: DeepSpeed keeps its own handle on it, and a second gate in this process reuses it."""
     saved = {k: os.environ.get(k) for k in DIST_VARS}
-    had_group = dist.is_available() and dist.is_initialized()
     try:
         yield
     finally:
-        if not had_group and dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -210,7 +206,7 @@ def train_drafter(cfg: Config) -> dict:
     from trainer.train import train
 
     t0 = time.perf_counter()
-    with one_process_group(), planted_labels(cfg.gate.plant):
+    with trainer_environment(), planted_labels(cfg.gate.plant):
         final = train(cfg.train, cfg.drafter)
     final["train_s"] = time.perf_counter() - t0
     return final
