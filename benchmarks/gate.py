@@ -364,7 +364,7 @@ def run_gate(cfg: Config, log=print) -> dict:
 
     stop = stop_token_ids(target, tokenizer)
     report = {
-        "config": {"gate": asdict(g), "drafter": asdict(cfg.drafter), "target": cfg.model.target},
+        "config": {"gate": asdict(g), "drafter": asdict(cfg.drafter), "target": cfg.model.target, "out_dir": str(out)},
         "train": {"steps": steps, "tau": train_tau, "seconds": final["train_s"], "stop_tau": cfg.train.stop_tau},
         "need": need,
         "engines": {},

@@ -23,15 +23,16 @@ import torch
 from flashdraft.model import DFlashDrafter
 from flashdraft.model import extract_context_feature as our_extract
 from flashdraft.spec import TRAINED_THINKING_KEY, DraftSpec
-from flashdraft.target import frozen_head_from_model
+from flashdraft.target import frozen_head_from_model, load_config
 from harness.drafter import thinking_warning
 from pipeline.capture import capture, regenerate
 from tests.test_speculative import one_thread, tiny_target  # noqa: F401 (one_thread: autouse fixture)
-from tests.test_trainer_fixtures import H, configs, run_training, tiny_store, train_kwargs
+from tests.test_trainer_fixtures import tiny_store
 from tests.test_trainer_fixtures import tiny_target as tiny_target_dir
 from trainer import batch as batch_module
 from trainer.anchors import valid_anchor_positions
 from trainer.batch import collate
+from trainer.data import TrainingData
 from trainer.drafter import trained_thinking
 from trainer.masks import dense_block_mask, flex_block_mask
 from trainer.objective import attention_mask, draft_hidden
@@ -203,14 +204,26 @@ def test_the_trained_thinking_mode_is_recorded_and_the_harness_warns_on_another(
     assert thinking_warning(SimpleNamespace(**{TRAINED_THINKING_KEY: "mixed"}), [True, False]) is None
     assert thinking_warning(SimpleNamespace(), [False]) is None  # an older drafter: nothing recorded
 
-    # the trainer writes it from the stores' per-sequence modes into the exported config.json
+    # the trainer's record, from the stores' per-sequence modes, goes into the exported config.json and back
+    # (the trainer setting it in a real run: tests/test_gate.py, whose Qwen3 gate captures with thinking off)
     target = tiny_target_dir(tmp_path / "target")
-    store = tiny_store(tmp_path / "store", target, n=8, thinking=True)  # every sequence captured thinking on
-    kwargs = train_kwargs(tmp_path, store, target, max_steps=1, epochs=1, eval_every=0, checkpoint_every=0)
-    configs(kwargs)  # the settings are valid
-    run_training(tmp_path, kwargs)
+    tiny_store(tmp_path / "store", target, n=8, thinking=True)  # every sequence captured with thinking on
+    data = TrainingData(
+        [str(tmp_path / "store")],
+        layer_ids=[1, 3],
+        block_size=B,
+        num_anchors=4,
+        max_length=64,
+        mask_token_id=MASK,
+        gamma=4.0,
+        heldout_fraction=0.2,
+    )
+    assert len(data.thinking_modes()) == int((~data.heldout).sum()) and trained_thinking(data.thinking_modes()) == "on"
+    config = DraftSpec((1, 3), MASK, B, 1).draft_config(load_config(target))
+    setattr(config, TRAINED_THINKING_KEY, trained_thinking(data.thinking_modes()))
+    DFlashDrafter(config).save_pretrained(tmp_path / "drafter")
     exported = json.loads((tmp_path / "drafter" / "config.json").read_text())
     assert exported[TRAINED_THINKING_KEY] == "on"
     reloaded = DFlashDrafter.from_pretrained(tmp_path / "drafter")
     assert "evaluated with thinking off" in thinking_warning(reloaded.config, [False])
-    assert H == reloaded.config.hidden_size
+    assert thinking_warning(reloaded.config, [True]) is None

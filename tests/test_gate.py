@@ -12,6 +12,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from flashdraft.spec import TRAINED_THINKING_KEY
 from tests.test_speculative import one_thread, tiny_target  # noqa: F401 (one_thread: autouse fixture)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -20,11 +21,13 @@ import gate  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")  # the reference's own calls
 
-CHATML = (
+CHATML = (  # ChatML with Qwen3's generation prompt: with thinking off, an empty think block
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
 )
 PROMPTS = [f"Write function number {i} that adds {i} to x." for i in range(12)]
 
@@ -37,7 +40,7 @@ def tiny_target_dir(folder: Path, arch: str) -> str:
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=300,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     bpe.train_from_iterator(["def solution(x):\n    return x + 1\n", *PROMPTS] * 20, trainer)
@@ -72,7 +75,7 @@ def targets(tmp_path_factory):
     return get
 
 
-def run(setup, name: str, plant=None) -> dict:
+def run(setup, name: str, plant=None, extra=()) -> dict:
     arch, target, prompts, root = setup
     overrides = [
         f"model.target={target}",
@@ -91,14 +94,20 @@ def run(setup, name: str, plant=None) -> dict:
         "train.loader_workers=1",
         "train.progress=false",
         *([f"gate.plant={plant}"] if plant else []),
+        *extra,
     ]
     return gate.run_gate(gate.gate_config(overrides), log=lambda *a: None)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_gate_passes_in_the_harness_and_the_reference_with_identical_rounds(targets, arch):
-    report = run(targets(arch), "clean")
+    """Also the trainer's thinking provenance (issue #48 point 4): Qwen3's prompts are captured with thinking off,
+    which the exported config records; Llama's with the template's default, which records none."""
+    thinking = {"qwen3": "off", "llama": None}[arch]
+    report = run(targets(arch), "clean", extra=[f"data.thinking={thinking}"] if thinking else [])
     assert report["passed"], report
+    config = json.loads((Path(report["config"]["out_dir"]) / "drafter" / "config.json").read_text())
+    assert config[TRAINED_THINKING_KEY] == thinking
     assert report["train"]["tau"] >= report["train"]["stop_tau"]
     for leg in report["engines"].values():
         assert leg["tau"] >= report["need"] and leg["outputs_equal_captured"] == 3
