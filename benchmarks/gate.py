@@ -7,8 +7,9 @@ label offset, a context mask, a layer-id offset, a config key an engine reads ot
 
 1. capture `gate.sequences` prompts of data.sources (the train split) with their greedy responses of
    `gate.max_new_tokens` tokens, in this process (cluster.num_actors=0), one prompt at a time, float32 by default;
-2. train a drafter of the `drafter` settings on them alone until a step's training tau reaches `gate.train_tau` x
-   block size (train.stop_tau), at most `gate.max_steps` steps; the trainer exports it in the published format;
+2. train a drafter of the `drafter` settings on them alone, every anchor of every sequence in each step, until a
+   step's training tau reaches `gate.train_tau` x block size (train.stop_tau), at most `gate.max_steps` steps; the
+   trainer exports it in the published format;
 3. serve those prompts greedily from that folder in each engine of `gate.engines`: `harness` (our loop,
    harness/speculative.py) and `reference` (`dflash.model.dflash_generate` with the package's own drafter class);
    each must commit at least `gate.threshold` x block size tokens a round (its tau). `llamacpp` is refused by name:
