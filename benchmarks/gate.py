@@ -43,6 +43,7 @@ GATE_OVERRIDES = [  # before the user's overrides, which win
     "model.dtype=float32",  # capture and serve alike, no near-tie flips between batch shapes
     "data.sources=[humaneval]",
     "data.batch_size=1",
+    "data.store.dtype=float32",  # the features the drafter trains on are the ones it is served (bf16 storage: not)
     # every anchor of every sequence in each step: the training tau that stops training is then the tau of every
     # block the drafter will serve, not of a random few (8 anchors a sequence stopped at a lucky step's 15.72 and
     # served 13.26 on the embedded default)

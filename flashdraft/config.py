@@ -316,7 +316,7 @@ class GateConfig:
     sequences: int = 4  # prompts captured, trained on and served (data.limit; the first of data.sources' split)
     max_new_tokens: int = 64  # response tokens each, at capture and when served
     max_steps: int = 400  # training steps at most
-    train_tau: float = 0.98  # stop training once a step's training tau reaches this share of the block size
+    train_tau: float = 0.99  # stop training once a step's training tau reaches this share of the block size
     threshold: float = 0.9  # each engine must commit at least this share of the block size a round (its tau)
     # null | labels+1: train each block position on the token after its own (a label offset) | layers-1: serve the
     # drafter with every target layer id one lower than it was trained on (a layer-id offset at serve time)
