@@ -313,8 +313,10 @@ class GateConfig:
     near the block size, export it, serve those prompts greedily in each engine; each must commit at least
     `threshold` x block size tokens a round. `plant` puts a known train/serve mismatch in, which must fail it."""
 
-    sequences: int = 4  # prompts captured, trained on and served (data.limit; the first of data.sources' split)
-    max_new_tokens: int = 64  # response tokens each, at capture and when served
+    # prompts captured, trained on and served (data.limit; the first of data.sources' split). Every anchor of every
+    # sequence trains in each step, so a CPU step costs about sequences x max_new_tokens blocks of the whole softmax
+    sequences: int = 2
+    max_new_tokens: int = 48  # response tokens each, at capture and when served
     max_steps: int = 400  # training steps at most
     train_tau: float = 0.99  # stop training once a step's training tau reaches this share of the block size
     threshold: float = 0.9  # each engine must commit at least this share of the block size a round (its tau)
