@@ -7,9 +7,9 @@ label offset, a context mask, a layer-id offset, a config key an engine reads ot
 
 1. capture `gate.sequences` prompts of data.sources (the train split) with their greedy responses of
    `gate.max_new_tokens` tokens, in this process (cluster.num_actors=0), one prompt at a time, float32 by default;
-2. train a drafter of the `drafter` settings on them alone, every anchor of every sequence in each step, until a
-   step's training tau reaches `gate.train_tau` x block size (train.stop_tau), at most `gate.max_steps` steps; the
-   trainer exports it in the published format;
+2. train a drafter of the `drafter` settings on them alone, every anchor of every sequence in each step, until the
+   training tau reaches `gate.train_tau` x block size (train.stop_tau) on `gate.stable_steps` steps in a row
+   (train.stop_steps), at most `gate.max_steps` steps; the trainer exports it in the published format;
 3. serve those prompts greedily from that folder in each engine of `gate.engines`: `harness` (our loop,
    harness/speculative.py) and `reference` (`dflash.model.dflash_generate` with the package's own drafter class);
    each must commit at least `gate.threshold` x block size tokens a round (its tau). `llamacpp` is refused by name:
@@ -81,7 +81,7 @@ def gate_config(overrides: list[str]) -> Config:
     g = cfg.gate
     if g.plant is not None and g.plant not in GATE_PLANTS:
         raise GateRefused(f"gate.plant must be null or one of {list(GATE_PLANTS)}, got {g.plant!r}")
-    if g.sequences < 1 or g.max_new_tokens < 2 or g.max_steps < 1 or not 0 < g.threshold <= 1:
+    if g.sequences < 1 or g.max_new_tokens < 2 or g.max_steps < 1 or g.stable_steps < 1 or not 0 < g.threshold <= 1:
         raise GateRefused(
             f"gate.sequences >= 1, gate.max_new_tokens >= 2, gate.max_steps >= 1 and gate.threshold in (0, 1] "
             f"(got {g.sequences}, {g.max_new_tokens}, {g.max_steps}, {g.threshold})"
@@ -102,6 +102,7 @@ def gate_config(overrides: list[str]) -> Config:
         max_steps=g.max_steps,
         epochs=g.max_steps,  # one step an epoch at least: max_steps binds
         stop_tau=g.train_tau * cfg.drafter.block_size,
+        stop_steps=g.stable_steps,
         heldout_fraction=0.0,
         eval_every=0,
         checkpoint_every=0,
@@ -363,7 +364,7 @@ def run_gate(cfg: Config, log=print) -> dict:
     steps, train_tau = int(final["global_step"]), float(final["tau"])
     log(
         f"train: tau {train_tau:.2f}/{block} after {steps} steps ({final['train_s']:.0f} s; stop at "
-        f"{cfg.train.stop_tau:.2f}, at most {g.max_steps} steps)"
+        f"{cfg.train.stop_tau:.2f} on {g.stable_steps} steps in a row, at most {g.max_steps} steps)"
     )
     served = served_drafter(Path(cfg.drafter_dir), g.plant, out / "drafter-served")
     target, tokenizer = load_serving_target(cfg)

@@ -231,6 +231,7 @@ class TrainConfig:
     # stop once a step's training tau (sum over ranks) reaches this many tokens (None: train every planned step); the
     # overfit gate (benchmarks/gate.py) stops near the block size with it
     stop_tau: float | None = None
+    stop_steps: int = 1  # ... on this many steps in a row (a step's tau is measured before its own update)
     check_target: bool = True  # refuse stores captured from another target (config and tokenizer hashes)
     # the stores' checksums before step 1: full (every inner chunk, the work split over the ranks) | sample (every
     # shard's attributes and every array's index, `verify_sample` of the inner chunks) | off. sample by default: full
@@ -318,7 +319,10 @@ class GateConfig:
     sequences: int = 2
     max_new_tokens: int = 48  # response tokens each, at capture and when served
     max_steps: int = 400  # training steps at most
-    train_tau: float = 0.99  # stop training once a step's training tau reaches this share of the block size
+    train_tau: float = 0.99  # stop training once a step's training tau reaches this share of the block size ...
+    # ... on this many steps in a row: a step's tau is its weights' before its update, which may undo it (one step
+    # at 15.91/16 exported a drafter the embedded default served at 10.44)
+    stable_steps: int = 3
     threshold: float = 0.9  # each engine must commit at least this share of the block size a round (its tau)
     # null | labels+1: train each block position on the token after its own (a label offset) | layers-1: serve the
     # drafter with every target layer id one lower than it was trained on (a layer-id offset at serve time)

@@ -136,7 +136,7 @@ def train(cfg: TrainConfig, drafter: DrafterConfig) -> dict:
 
     engine.train()
     bar = progress_bar(cfg, total_steps, progress.global_step)
-    final = {}
+    final, good_steps = {}, 0
     try:
         with closing(step_loaders(data, plans, replace(progress), total_steps, cfg, pin_memory=proc.cuda)) as steps:
             for epoch, t, num_steps, loader in steps:
@@ -145,7 +145,8 @@ def train(cfg: TrainConfig, drafter: DrafterConfig) -> dict:
                 progress.advance(epoch, t, num_steps, tokens=int(tally.count))
                 timing = {"lr": lr, "step_time_s": time.perf_counter() - t0, "loader_wait_s": loader.wait_s - wait0}
                 final = step_metrics(tally, engine, cfg.grad_accum * proc.world, timing, epoch, progress.tokens_seen)
-                stopping = reached_stop_tau(cfg.stop_tau, final)
+                good_steps = good_steps + 1 if reached_stop_tau(cfg.stop_tau, final) else 0
+                stopping = good_steps >= max(1, cfg.stop_steps)
                 done = progress.global_step >= total_steps or stopping
                 if every(cfg.log_every, progress.global_step) or done:
                     log.log(final, progress.global_step)
@@ -158,8 +159,8 @@ def train(cfg: TrainConfig, drafter: DrafterConfig) -> dict:
                 if stopping:
                     if is_rank_zero():
                         print(
-                            f"training tau {final['tau']:.2f} reached train.stop_tau {cfg.stop_tau:g} at step "
-                            f"{progress.global_step}: stopped",
+                            f"training tau {final['tau']:.2f}: train.stop_tau {cfg.stop_tau:g} reached on "
+                            f"{good_steps} steps in a row at step {progress.global_step}: stopped",
                             flush=True,
                         )
                     break
