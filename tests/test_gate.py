@@ -117,7 +117,7 @@ def test_gate_passes_in_the_harness_and_the_reference_with_identical_rounds(targ
 
 @pytest.mark.parametrize("arch,plant", [("qwen3", "labels+1"), ("llama", "layers-1")])
 def test_gate_fails_with_a_planted_mismatch_and_names_the_round(targets, arch, plant):
-    report = run(targets(arch), plant, plant)
+    report = run(targets(arch), plant, plant, extra=["gate.max_steps=120"])  # about a clean run's steps
     assert not report["passed"]
     for leg in report["engines"].values():
         assert leg["tau"] < report["need"] and not leg["passed"]
