@@ -85,7 +85,6 @@ def run(setup, name: str, plant=None, extra=()) -> dict:
         "gate.sequences=3",
         "gate.max_new_tokens=40",
         "gate.max_steps=200",
-        "gate.train_tau=1.0",  # every block right: the served rounds then all commit the block
         "drafter.block_size=8",
         "drafter.num_layers=1",
         "drafter.num_features=3",
