@@ -39,10 +39,16 @@ def default_layer_ids(num_target_layers: int, num_features: int = DEFAULT_NUM_FE
 
 
 def check_layer_ids(layer_ids, num_target_layers: int) -> list[int]:
-    """`layer_ids` as ints, refused unless distinct, non-empty and inside the target's layers."""
+    """`layer_ids` as ints, refused unless distinct, non-empty, ascending and inside the target's layers. Ascending:
+    SGLang, vLLM and TensorRT-LLM concatenate the captured layers in layer order whatever order the config lists
+    them in, so a drafter trained on another order would read its features permuted."""
     ids = [int(i) for i in layer_ids]
     if not ids or len(set(ids)) != len(ids):
         raise ValueError(f"target layer ids must be distinct and non-empty, got {ids}")
+    if ids != sorted(ids):
+        raise ValueError(
+            f"target layer ids must be ascending, got {ids}: serving engines concatenate the layers in layer order"
+        )
     bad = [i for i in ids if not 0 <= i < num_target_layers]
     if bad:
         raise ValueError(
