@@ -18,7 +18,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
@@ -437,9 +437,16 @@ def _load_functions(path: Path, names: set[str]) -> dict:
         if (isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in names)
         or (isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant))
     ]
-    namespace["__name__"] = f"engine_source_{path.stem}"
+    module = ModuleType(f"engine_source_{path.stem}")  # a module of its own: dataclasses look their module up
+    module.__dict__.update(namespace)
     flags = __import__("__future__").annotations.compiler_flag  # annotations name engine types: leave them unread
-    exec(compile(ast.Module(body=keep, type_ignores=[]), str(path), "exec", flags=flags, dont_inherit=True), namespace)
+    code = compile(ast.Module(body=keep, type_ignores=[]), str(path), "exec", flags=flags, dont_inherit=True)
+    sys.modules[module.__name__] = module
+    try:
+        exec(code, module.__dict__)
+    finally:
+        del sys.modules[module.__name__]
+    namespace = module.__dict__
     missing = names - set(namespace)
     if missing:
         pytest.skip(f"{path} has no {sorted(missing)} (another release)")
