@@ -489,17 +489,29 @@ def test_vllm_own_aux_layer_reading_matches_our_features(exported):
     assert list(aux) == [i + 1 for i in exported.spec.target_layer_ids]
 
 
-@pytest.mark.slow
-def test_llamacpp_converter_writes_the_trained_geometry(tmp_path):
+@pytest.fixture(scope="module")
+def llamacpp_gguf(tmp_path_factory):
     """llama.cpp's own converter (the vendored copy `make llamacpp` unpacks) on a drafter for the cached SmolLM2
-    target (a Llama); the GGUF's DFlash keys read back."""
+    target (a Llama) with its RoPE scaled the Llama-3 way (only config.json changes: the converter reads the target's
+    config and tokenizer, not its weights); the GGUF's metadata and tensor names read back with llama.cpp's gguf-py."""
     llamacpp = pytest.importorskip("benchmarks.llamacpp")
     src = llamacpp.source_dir()
-    target_dir = Path(os.environ.get("FLASHDRAFT_CACHE", Path.home() / ".cache" / "flashdraft")) / "targets"
-    target_dir = target_dir / "SmolLM2-135M-Instruct"
-    if not (src / "convert_hf_to_gguf.py").is_file() or not (target_dir / "config.json").is_file():
+    cached = Path(os.environ.get("FLASHDRAFT_CACHE", Path.home() / ".cache" / "flashdraft")) / "targets"
+    cached = cached / "SmolLM2-135M-Instruct"
+    if not (src / "convert_hf_to_gguf.py").is_file() or not (cached / "config.json").is_file():
         pytest.skip("llama.cpp source (make llamacpp) or the cached SmolLM2 target is missing")
     from transformers import AutoConfig, AutoTokenizer
+
+    tmp = tmp_path_factory.mktemp("llamacpp")
+    target_dir = tmp / "target"
+    target_dir.mkdir()
+    for f in cached.iterdir():
+        if f.name != "config.json" and f.suffix != ".safetensors":
+            (target_dir / f.name).symlink_to(f)
+    target_raw = json.loads((cached / "config.json").read_text())
+    theta = target_raw["rope_parameters"]["rope_theta"]
+    target_raw["rope_parameters"] = {**LLAMA3_ROPE, "rope_theta": theta, "original_max_position_embeddings": 2048}
+    (target_dir / "config.json").write_text(json.dumps(target_raw))
 
     target_config = AutoConfig.from_pretrained(target_dir)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
@@ -509,19 +521,36 @@ def test_llamacpp_converter_writes_the_trained_geometry(tmp_path):
         mask_token=mask_token_string(tokenizer, mask_token_id),
     )  # fmt: skip
     config = spec.draft_config(target_config)
-    drafter = export_drafter(DFlashDrafter, config, DFlashDrafter(config).state_dict(), tmp_path / "drafter")
-    out = tmp_path / "drafter.gguf"
+    drafter = export_drafter(DFlashDrafter, config, DFlashDrafter(config).state_dict(), tmp / "drafter")
+    out = tmp / "drafter.gguf"
     llamacpp.convert(drafter, out, outtype="f32", target_dir=target_dir)
     code = (
         "import json, sys; from gguf import GGUFReader; r = GGUFReader(sys.argv[1]); "
-        "print(json.dumps({k: (f.contents() if hasattr(f, 'contents') else None) for k, f in r.fields.items() "
-        "if k.startswith(('dflash.', 'tokenizer.ggml.mask'))}))"
+        "print(json.dumps({'fields': {k: f.contents() for k, f in r.fields.items() "
+        "if k.startswith(('dflash.', 'tokenizer.ggml.mask'))}, 'tensors': [t.name for t in r.tensors]}))"
     )
-    env = llamacpp.converter_env()
-    fields = json.loads(subprocess.run([sys.executable, "-c", code, str(out)], env=env, check=True,
-                                       capture_output=True, text=True).stdout)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-c", code, str(out)], env=llamacpp.converter_env(), check=True, capture_output=True, text=True
+    )
+    return SimpleNamespace(spec=spec, target=target_config, **json.loads(run.stdout))
+
+
+@pytest.mark.slow
+def test_llamacpp_converter_writes_the_trained_geometry(llamacpp_gguf):
+    fields, spec = llamacpp_gguf.fields, llamacpp_gguf.spec
     assert fields["dflash.target_layers"] == [i + 1 for i in spec.target_layer_ids]
     assert fields["dflash.block_size"] == BLOCK
-    assert fields["tokenizer.ggml.mask_token_id"] == mask_token_id
-    assert fields["dflash.rope.freq_base"] == pytest.approx(target_config.rope_parameters["rope_theta"])
+    assert fields["tokenizer.ggml.mask_token_id"] == spec.mask_token_id
+    assert fields["dflash.rope.freq_base"] == pytest.approx(llamacpp_gguf.target.rope_parameters["rope_theta"])
     assert "dflash.attention.causal" not in fields  # non-causal by default, as trained
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="gap left (llama.cpp): its DFlash converter derives from Qwen3Model, and only LlamaModel writes the "
+    "rope_freqs tensor that carries Llama-3 RoPE scaling, so a drafter of a Llama-3.1/3.2 target rotates unscaled in "
+    "llama.cpp while it was trained scaled (docs/serving.md)",
+)
+def test_llamacpp_converter_carries_llama3_rope_scaling(llamacpp_gguf):
+    assert "rope_freqs.weight" in llamacpp_gguf.tensors
