@@ -10,13 +10,16 @@ bench_capture_memory.py builds it), the same prompts, greedy, the CPU's auto bat
 threads. "decode" is `regenerate_stream` over all prompts with nothing written; "writer" appends the sequences that
 decode produced to one shard and commits it (before: `ShardWriter` in the calling thread, as the decode loop called
 it; after: `BackgroundShard`, the writing thread plus a compression pool of N threads where N > 1); "capture" is the
-in-process fleet (`run_fleet`, num_actors 0) over tasks of `--shard-size` prompts, writing a bf16 blosc-zstd store.
+in-process fleet (`run_fleet`, num_actors 0) over tasks of `--shard-size` prompts, writing a bf16 blosc-zstd store
+(after: with the checkout's default writer, and again with one writing thread, the writer off the decode loop as on a
+GPU); the last before and after stores are compared (tokens, loss masks, feature values).
 Each figure is the best of `--repeats` runs, before and after alternated.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -24,6 +27,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -141,13 +146,15 @@ def child_capture(args) -> dict:
     from pipeline.job import open_store
 
     s = settings(args)
+    if args.writer_threads is not None:  # after only: the older checkout's settings have no such field
+        s = dataclasses.replace(s, writer_threads=args.writer_threads)
     store = Path(tempfile.mkdtemp(dir=args.work)) / "store"
     writer = open_store(store, s, sources=["bench"], store_options={})
     fleet = FleetConfig(num_actors=0, shard_size=args.shard_size)
     t = time.perf_counter()
     summary = run_fleet(store, prompts(args.prompts), s, writer, fleet, progress=False)
     seconds = time.perf_counter() - t
-    return {"tokens": summary.new_tokens, "seconds": seconds, "ok": summary.ok}
+    return {"tokens": summary.new_tokens, "seconds": seconds, "ok": summary.ok, "store": str(store)}
 
 
 def child(args) -> None:
@@ -181,6 +188,8 @@ def measure(args, target: str, work: Path) -> dict:
         for label, code in codes:
             found.setdefault(("decode", label), []).append(run_child(code, "decode", args, target, work))
             found.setdefault(("capture", label), []).append(run_child(code, "capture", args, target, work))
+        one = ["--writer-threads", "1"]  # the writer off the decode loop, as on a GPU (a CPU's auto is 0: in the loop)
+        found.setdefault(("capture", "after-1"), []).append(run_child(REPO, "capture", args, target, work, one))
     # the writer on the same sequences: those the current checkout decoded last
     for _ in range(args.repeats):
         found.setdefault(("writer", "before", 1), []).append(run_child(codes[0][1], "writer", args, target, work))
@@ -188,6 +197,24 @@ def measure(args, target: str, work: Path) -> dict:
             extra = ["--writer-threads", str(n)]
             found.setdefault(("writer", "after", n), []).append(run_child(REPO, "writer", args, target, work, extra))
     return found
+
+
+def compare_stores(before: str, after: str) -> str:
+    """Whether the two checkouts' stores hold the same tokens and loss masks, and how far their features differ."""
+    from flashdraft.store import StoreReader
+
+    b, a = StoreReader(before), StoreReader(after)
+    if sorted(b.seq_ids) != sorted(a.seq_ids):
+        return "stores: different sequences"
+    same, diff, values = True, 0.0, 0
+    for sid in b.seq_ids:
+        x, y = b.read(b.index(sid)), a.read(a.index(sid))
+        same &= np.array_equal(x.input_ids, y.input_ids) and np.array_equal(x.loss_mask, y.loss_mask)
+        if x.features.shape == y.features.shape:
+            diff = max(diff, float((x.features - y.features).abs().max()))
+            values += int((x.features != y.features).sum())
+    tokens = "tokens and loss masks identical" if same else "tokens or loss masks DIFFER"
+    return f"stores before/after: {tokens}; features differ in {values} values, at most {diff:.3g}"
 
 
 def rate(r: dict) -> float:
@@ -201,6 +228,9 @@ def print_tables(found: dict, args) -> None:
         b, a = rate(best(found[part, "before"])), rate(best(found[part, "after"]))
         name = "decode loop alone" if part == "decode" else "whole capture"
         print(f"{name:24} {b:13.0f} {a:12.0f} {a / b:12.2f}x")
+    b, a = rate(best(found["capture", "before"])), rate(best(found["capture", "after-1"]))
+    print(f"{'capture, 1 writer thread':24} {b:13.0f} {a:12.0f} {a / b:12.2f}x   (after: shards written off the loop)")
+    print(args.stores)
     print(f"\nwriter alone (bf16 features {args.width} bytes a token): tokens/s, feature MB/s, MB/s a thread")
     print(f"{'codec':12} {'writer':22} {'tok/s':>9} {'MB/s':>8} {'MB/s/thread':>12}")
     per_core = {}
@@ -235,10 +265,8 @@ def main():
     ap.add_argument("--save", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        if args.child == "writer" and "--writer-threads" not in sys.argv:
-            args.writer_threads = None
-        elif args.child == "writer":
-            args.writer_threads = args.writer_threads[0]
+        given = "--writer-threads" in sys.argv
+        args.writer_threads = args.writer_threads[0] if given else None
         return child(args)
     if not args.before:
         ap.error("--before PATH: a checkout to compare against (git worktree add PATH 50e5117)")
@@ -248,6 +276,7 @@ def main():
         work = Path(d)
         target = build_target(work / "target")
         found = measure(args, target, work)
+        args.stores = compare_stores(found["capture", "before"][-1]["store"], found["capture", "after"][-1]["store"])
     args.width = 5 * 1024 * 2
     print_tables(found, args)
 

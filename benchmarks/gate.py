@@ -37,6 +37,7 @@ import torch
 
 from entry import compose, typed_config
 from flashdraft.config import GATE_ENGINES, GATE_PLANTS, Config
+from flashdraft.spec import aux_layer_ids
 
 GATE_OVERRIDES = [  # before the user's overrides, which win
     "cluster.num_actors=0",  # capture in this process
@@ -168,6 +169,8 @@ def served_drafter(drafter_dir: Path, plant: str | None, out: Path) -> Path:
     if min(ids) < 1:
         raise GateRefused(f"gate.plant=layers-1 needs every target layer id >= 1, the drafter reads {ids}")
     config["dflash_config"]["target_layer_ids"] = [i - 1 for i in ids]
+    if "eagle_aux_hidden_state_layer_ids" in config:  # derived from them (vLLM's convention): kept in agreement
+        config.update(aux_layer_ids(config["dflash_config"]))
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
 

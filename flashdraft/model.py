@@ -33,7 +33,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
     rotate_half,
 )
 
-from flashdraft.spec import DraftSpec, check_rope_agrees, export_config
+from flashdraft.spec import DraftSpec, check_derived_keys_agree, export_config
 
 try:  # FlexAttention: block-sparse kernels on GPU (and a compiled forward on CPU).
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -280,7 +280,7 @@ class DFlashDrafter(nn.Module):
             raise FileNotFoundError(f"no drafter at {path}: {cfg_file} is missing")
         raw = json.loads(cfg_file.read_text())
         DraftSpec.from_draft_config(raw, where=str(cfg_file))  # refuse a config without geometry, naming the file
-        check_rope_agrees(raw, where=str(cfg_file))
+        check_derived_keys_agree(raw, where=str(cfg_file))
         model = cls(Qwen3Config.from_dict(raw))
         state = load_file(str(path / "model.safetensors"))
         missing, unexpected = model.load_state_dict(state, strict=False)

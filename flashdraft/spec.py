@@ -4,10 +4,10 @@ A `DraftSpec` holds the geometry's defaults and is made in one way, `DraftSpec.f
 settings, the target layers, the mask token): by the trainer, from the layers the feature stores hold, and by the
 harness for an untrained drafter, from the layers a capture would take. It is saved in the drafter's config.json in
 the published format (`block_size`, `num_hidden_layers`, `dflash_config.target_layer_ids`,
-`dflash_config.mask_token_id`) and read back from there by everything after training: the harness, the reference
-package, serving engines.
+`dflash_config.mask_token_id`, and `dflash_config.mask_token`, the token's string, where the tokenizer has one) and read
+back from there by everything after training: the harness, the reference package, serving engines.
 `export_config` adds what those readers need beyond transformers 5's own keys (`rope_theta`, `rope_scaling`,
-`auto_map`); docs/serving.md lists who reads what.
+`auto_map`, and `eagle_aux_hidden_state_layer_ids` for vLLM); docs/serving.md lists who reads what, engine by engine.
 
 The pipeline chooses only which layers to capture (`capture_layer_ids`); nothing else derives geometry.
 """
@@ -42,10 +42,16 @@ def default_layer_ids(num_target_layers: int, num_features: int = DEFAULT_NUM_FE
 
 
 def check_layer_ids(layer_ids, num_target_layers: int) -> list[int]:
-    """`layer_ids` as ints, refused unless distinct, non-empty and inside the target's layers."""
+    """`layer_ids` as ints, refused unless distinct, non-empty, ascending and inside the target's layers. Ascending:
+    SGLang, vLLM and TensorRT-LLM concatenate the captured layers in layer order whatever order the config lists
+    them in, so a drafter trained on another order would read its features permuted."""
     ids = [int(i) for i in layer_ids]
     if not ids or len(set(ids)) != len(ids):
         raise ValueError(f"target layer ids must be distinct and non-empty, got {ids}")
+    if ids != sorted(ids):
+        raise ValueError(
+            f"target layer ids must be ascending, got {ids}: serving engines concatenate the layers in layer order"
+        )
     bad = [i for i in ids if not 0 <= i < num_target_layers]
     if bad:
         raise ValueError(
@@ -70,17 +76,21 @@ class DraftSpec:
     block_size: int = 16  # the paper's
     num_draft_layers: int = 5  # the paper's
     intermediate_size: int | None = None  # None: the target's
+    # The mask token's string in the target's tokenizer (None: unknown). SGLang looks the mask token up by this string
+    # (`dflash_config.mask_token`, default "<|MASK|>") where its release does not read `mask_token_id`.
+    mask_token: str | None = None
 
     @classmethod
-    def from_settings(cls, drafter, target_layer_ids, mask_token_id: int) -> DraftSpec:
+    def from_settings(cls, drafter, target_layer_ids, mask_token_id: int, mask_token: str | None = None) -> DraftSpec:
         """The spec the `drafter` settings (flashdraft.config.DrafterConfig: block size, depth, MLP width) ask for,
-        reading `target_layer_ids` with mask token `mask_token_id`."""
+        reading `target_layer_ids` with mask token `mask_token_id` (whose string is `mask_token`, if known)."""
         return cls(
             target_layer_ids=tuple(target_layer_ids),
             mask_token_id=int(mask_token_id),
             block_size=int(drafter.block_size),
             num_draft_layers=int(drafter.num_layers),
             intermediate_size=drafter.intermediate_size,
+            mask_token=mask_token,
         )
 
     def __post_init__(self):
@@ -93,6 +103,8 @@ class DraftSpec:
             raise ValueError(f"num_draft_layers must be >= 1, got {self.num_draft_layers}")
         if self.mask_token_id < 0:
             raise ValueError(f"mask_token_id must be a token id, got {self.mask_token_id}")
+        if self.mask_token is not None and (not isinstance(self.mask_token, str) or not self.mask_token):
+            raise ValueError(f"mask_token must be a non-empty string or None, got {self.mask_token!r}")
 
     @classmethod
     def from_draft_config(cls, config, where: str = "drafter config") -> DraftSpec:
@@ -110,6 +122,7 @@ class DraftSpec:
             block_size=int(get("block_size")),
             num_draft_layers=int(get("num_hidden_layers")),
             intermediate_size=get("intermediate_size"),
+            mask_token=dcfg.get("mask_token"),
         )
 
     def draft_config(self, target_config) -> Qwen3Config:
@@ -144,8 +157,15 @@ class DraftSpec:
             eos_token_id=getattr(tc, "eos_token_id", None),
             block_size=self.block_size,
             num_target_layers=tc.num_hidden_layers,
-            dflash_config={"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+            dflash_config=self.dflash_config(),
         )
+
+    def dflash_config(self) -> dict:
+        """config.json's `dflash_config`: the mask token (id, and string where known) and the target layer ids."""
+        out = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
+        if self.mask_token is not None:
+            out["mask_token"] = self.mask_token
+        return out
 
 
 def legacy_rope(rope_parameters: dict | None) -> dict:
@@ -171,10 +191,32 @@ def check_rope_agrees(raw: dict, where: str = "drafter config") -> None:
         raise ValueError(f"{where}: {got} disagree with rope_parameters {raw['rope_parameters']} (expected {want})")
 
 
+def aux_layer_ids(dflash_config: dict | None) -> dict:
+    """`eagle_aux_hidden_state_layer_ids`: the target layer ids in the capture-before-layer convention of vLLM (and
+    SGLang, llama.cpp): our id i is the output of layer i, which those engines capture at the input of layer i + 1.
+    vLLM sizes the drafter's `fc` from this key first; releases without the DFlash fallback read nothing else and
+    fall back to the target's three EAGLE-3 layers (a shape mismatch for a five-feature drafter)."""
+    ids = (dflash_config or {}).get("target_layer_ids")
+    return {"eagle_aux_hidden_state_layer_ids": [int(i) + 1 for i in ids]} if ids else {}
+
+
+def check_derived_keys_agree(raw: dict, where: str = "drafter config") -> None:
+    """Refuse a config.json whose derived keys (`rope_theta`/`rope_scaling`, `eagle_aux_hidden_state_layer_ids`)
+    disagree with their sources (`rope_parameters`, `dflash_config.target_layer_ids`): the readers of each would
+    differ (transformers 4 and 5; vLLM and every other engine)."""
+    check_rope_agrees(raw, where)
+    derived = aux_layer_ids(raw.get("dflash_config"))
+    bad = {k: raw[k] for k, v in derived.items() if k in raw and list(raw[k]) != v}
+    if bad:
+        raise ValueError(f"{where}: {bad} disagree with dflash_config.target_layer_ids (expected {derived})")
+
+
 def export_config(config) -> dict:
     """The drafter's config.json dict as exported: the config's own keys, plus what transformers 5 drops when it
-    serialises (`rope_theta`, `rope_scaling`) and the published drafters' `auto_map`, so every reader agrees."""
+    serialises (`rope_theta`, `rope_scaling`), the published drafters' `auto_map`, and vLLM's
+    `eagle_aux_hidden_state_layer_ids`, so every reader agrees."""
     out = config.to_dict() if hasattr(config, "to_dict") else dict(config)
     out.update(legacy_rope(out.get("rope_parameters")))  # derived from rope_parameters, the one source of truth
+    out.update(aux_layer_ids(out.get("dflash_config")))  # derived from dflash_config.target_layer_ids
     out.setdefault("auto_map", dict(AUTO_MAP))
     return out

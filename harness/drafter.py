@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from flashdraft.model import DFlashDrafter
 from flashdraft.spec import TRAINED_THINKING_KEY, DraftSpec, capture_layer_ids
-from flashdraft.target import choose_mask_token, family_of, text_config
+from flashdraft.target import choose_mask_token, family_of, mask_token_string, text_config
 
 
 def load_drafter(path, target, tokenizer, geometry, *, allow_untrained=False, seed=0) -> tuple[DFlashDrafter, bool]:
@@ -32,7 +32,7 @@ def load_drafter(path, target, tokenizer, geometry, *, allow_untrained=False, se
     torch.manual_seed(seed)
     mask_token_id = choose_mask_token(tokenizer, target.config.vocab_size, family=family_of(target.config))
     layer_ids = capture_layer_ids(target.config, geometry.num_features, geometry.layer_ids)
-    spec = DraftSpec.from_settings(geometry, layer_ids, mask_token_id)
+    spec = DraftSpec.from_settings(geometry, layer_ids, mask_token_id, mask_token_string(tokenizer, mask_token_id))
     return DFlashDrafter(spec.draft_config(target.config)).to(device=device, dtype=dtype).eval().requires_grad_(
         False
     ), True

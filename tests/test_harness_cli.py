@@ -442,7 +442,7 @@ def test_untrained_drafter_geometry_comes_from_the_spec_and_a_trained_one_must_f
 
     from flashdraft.config import DrafterConfig
     from flashdraft.spec import DraftSpec, capture_layer_ids
-    from flashdraft.target import choose_mask_token
+    from flashdraft.target import choose_mask_token, mask_token_string
     from harness.drafter import load_drafter
 
     target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
@@ -456,7 +456,9 @@ def test_untrained_drafter_geometry_comes_from_the_spec_and_a_trained_one_must_f
     assert drafter.mask_token_id == choose_mask_token(tokenizer, target.config.vocab_size)
     shaped = DrafterConfig(block_size=4, num_layers=2, layer_ids=[2, 7])  # made as the trainer makes its spec
     drafter = load_drafter(None, target, tokenizer, shaped, allow_untrained=True)[0]
-    made = DraftSpec.from_settings(shaped, [2, 7], drafter.mask_token_id).draft_config(target.config)
+    mask_token = mask_token_string(tokenizer, drafter.mask_token_id)  # the string too, as trainer/drafter.py writes it
+    assert drafter.config.dflash_config["mask_token"] == mask_token
+    made = DraftSpec.from_settings(shaped, [2, 7], drafter.mask_token_id, mask_token).draft_config(target.config)
     assert drafter.config.to_dict() == made.to_dict()
     tiny_drafter(tiny_target("llama", vocab=300), block_size=8, mask_token_id=290, layers=1).save_pretrained(
         tmp_path / "d"

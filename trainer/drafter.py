@@ -18,6 +18,7 @@ from flashdraft.target import (
     choose_mask_token,
     family_of,
     load_tokenizer,
+    mask_token_string,
     read_target_tensors,
     target_fingerprint,
     text_config,
@@ -32,8 +33,10 @@ def drafter_spec(cfg: TrainConfig, drafter: DrafterConfig, target_config) -> Dra
     fingerprint = target_fingerprint(cfg.target) if cfg.check_target else None
     for path, manifest in manifests.items():
         check_store(path, manifest, hidden_size=tc.hidden_size, vocab_size=tc.vocab_size, target=fingerprint)
-    mask_token_id = choose_mask_token(load_tokenizer(cfg.target), tc.vocab_size, family=family_of(target_config))
-    return DraftSpec.from_settings(drafter, store_layer_ids(manifests, drafter.layer_ids), mask_token_id)
+    tokenizer = load_tokenizer(cfg.target)
+    mask_token_id = choose_mask_token(tokenizer, tc.vocab_size, family=family_of(target_config))
+    layer_ids = store_layer_ids(manifests, drafter.layer_ids)
+    return DraftSpec.from_settings(drafter, layer_ids, mask_token_id, mask_token_string(tokenizer, mask_token_id))
 
 
 def trained_thinking(modes) -> str | None:

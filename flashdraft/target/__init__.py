@@ -8,6 +8,7 @@ from flashdraft.target.chat import (
     chat_template_hash,
     chat_text,
     choose_mask_token,
+    mask_token_string,
     stop_token_ids,
     template_takes_thinking,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "chat_text",
     "template_takes_thinking",
     "choose_mask_token",
+    "mask_token_string",
     "cpu_bf16_gemm_speedup",
     "cpu_has_bf16_tiles",
     "cpu_has_fast_bf16",

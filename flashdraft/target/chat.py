@@ -88,3 +88,13 @@ def choose_mask_token(tokenizer, vocab_size: int, drafter_config=None, family: M
         f"tokens {list(candidates)} ({family.name} family's first) was found; set dflash_config.mask_token_id in "
         "the drafter config"
     )
+
+
+def mask_token_string(tokenizer, mask_token_id: int) -> str | None:
+    """The string of token `mask_token_id` in `tokenizer` (after `choose_mask_token`, which may have added it), or
+    None where the tokenizer has no token there (a spare embedding row it never named). Written to the drafter's
+    `dflash_config.mask_token`: SGLang finds the mask token by this string."""
+    if mask_token_id >= len(tokenizer):
+        return None
+    token = tokenizer.convert_ids_to_tokens(int(mask_token_id))
+    return token if isinstance(token, str) and token else None
