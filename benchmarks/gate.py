@@ -17,9 +17,10 @@ label offset, a context mask, a layer-id offset, a config key an engine reads ot
 
 It prints the training figures, tau per engine and, for an engine that falls short, the first round that did: the
 sequence, the round, its positions, the drafted tokens against the committed ones. Exit 0: passed; 1: failed;
-2: refused (an engine or a setting it cannot run). `gate.plant` puts a known mismatch in, which must fail it:
+2: refused (an engine or a setting it cannot run). `gate.plant` puts a known mismatch in, to see it fail:
 labels+1 trains each block position on the token after its own; layers-1 serves the drafter with every target layer
-id one lower than it was trained on. Everything goes to `gate.out_dir` (cleared first), the report to gate.json.
+id one lower than it was trained on (the embedded default still passes that one: docs/serving.md). Everything goes
+to `gate.out_dir` (cleared first), the report to gate.json.
 """
 
 from __future__ import annotations

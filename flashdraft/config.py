@@ -312,7 +312,7 @@ GATE_ENGINES = ("harness", "reference", "llamacpp")
 class GateConfig:
     """The overfit gate: capture `sequences` prompts' responses, train a drafter on them until its training tau is
     near the block size, export it, serve those prompts greedily in each engine; each must commit at least
-    `threshold` x block size tokens a round. `plant` puts a known train/serve mismatch in, which must fail it."""
+    `threshold` x block size tokens a round. `plant` puts a known train/serve mismatch in, to see the gate fail."""
 
     # prompts captured, trained on and served (data.limit; the first of data.sources' split). Every anchor of every
     # sequence trains in each step, so a CPU step costs about sequences x max_new_tokens blocks of the whole softmax
