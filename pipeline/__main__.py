@@ -29,6 +29,7 @@ from flashdraft.prompts import PromptSourceUnavailable  # noqa: E402
 from flashdraft.spec import capture_layer_ids, check_layer_ids, default_layer_ids  # noqa: E402
 from flashdraft.store import StoreError, StoreLayout, verify_store  # noqa: E402
 from flashdraft.store.lock import writer_lock  # noqa: E402
+from flashdraft.store.projection import split_store_options  # noqa: E402
 from flashdraft.store.repair import drop_missing_shards  # noqa: E402
 from pipeline.fleet import FleetConfig, run_fleet  # noqa: E402
 from pipeline.job import (  # noqa: E402
@@ -222,7 +223,8 @@ def estimate_command(cfg: Config) -> int:
     settings = settings_from(cfg, offline_ok=True)
     rows = estimate_rows(cfg, settings)
     d = cfg.data
-    layout = StoreLayout(settings.layer_ids, cfg.model.hidden_size, **asdict(d.store))
+    options, _ = split_store_options(asdict(d.store), settings.layer_ids, cfg.model.hidden_size)
+    layout = StoreLayout(settings.layer_ids, cfg.model.hidden_size, **options)
     rate = d.capture_tokens_per_s
     e = estimate(
         rows,
@@ -246,6 +248,14 @@ def estimate_command(cfg: Config) -> int:
     )
     for dtype, x in e["by_dtype"].items():
         print(f"  {dtype:<12} {x['bytes_per_token']:>7,} bytes/token = {tb(x['bytes'])}")
+    if e["projected"]:
+        print(
+            "projected (data.store.project=pca data.store.project_dims=r: r features a token, one fp8 scale a token; "
+            "the exported drafter is unchanged):"
+        )
+    for (label, r, dtype), x in e["projected"].items():
+        name = f"r={label} ({r:,})"
+        print(f"  {name:<16} {dtype:<12} {x['bytes_per_token']:>7,} bytes/token = {tb(x['bytes'])}")
     print(
         f"shards: {e['shards']:,} (data.shard_size {d.shard_size} prompts, about {e['shard_tokens']:,} tokens a shard)"
     )
@@ -258,7 +268,8 @@ def estimate_command(cfg: Config) -> int:
     if rate == DataConfig.capture_tokens_per_s:
         print(f"  ({RATE_NOTE})")
     verdict = "fits" if e["fits"] else "DOES NOT FIT"
-    print(f"free disk at {cfg.features_dir}: {tb(e['free_bytes'])}; the {layout.dtype} store {verdict}")
+    what = f"{layout.dtype}, projected to {layout.project_dims} dims" if layout.project_dims else layout.dtype
+    print(f"free disk at {cfg.features_dir}: {tb(e['free_bytes'])}; the {what} store {verdict}")
     return 0 if e["fits"] else 1
 
 
