@@ -154,7 +154,8 @@ def estimate(
 ) -> dict:
     """Bytes on disk, shards, files and GPU-hours of a capture of `rows` (`sampled_row` / `figures_row`) in
     `layout`, and in bf16 and fp8 beside it, raw and projected to r = H, 2H, 2.5H (`projected`, keyed (label, r,
-    dtype)): prompts x (prompt + response, at most max_length) tokens x bytes a token. Compression is not counted (half-precision features barely compress), so bytes are an upper bound."""
+    dtype)): prompts x (prompt + response, at most max_length) tokens x bytes a token. Compression is not counted
+    (half-precision features barely compress), so bytes are an upper bound."""
     prompts = sum(r["prompts"] for r in rows)
     tokens = sum(int(r["prompts"] * min(max_length, r["prompt_tokens"] + r["response_tokens"])) for r in rows)
     shards = -(-prompts // shard_size)
