@@ -33,7 +33,7 @@ from flashdraft.store.format import StoreError
 PROJECTION_FILE = "projection.safetensors"
 METHODS = ("pca",)
 DEFAULT_CALIBRATION_TOKENS = 32768
-_DIMS = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*[hH]\s*$")
+_DIMS = re.compile(r"^\s*([0-9]*\.?[0-9]+)?\s*[hH]\s*$")
 
 
 def resolve_dims(value, hidden_size: int, input_dims: int) -> int:
@@ -47,7 +47,7 @@ def resolve_dims(value, hidden_size: int, input_dims: int) -> int:
                 f"data.store.project_dims must be a number or a multiple of H (H, 2H, 2.5H), got {value!r}"
             )
         else:
-            dims = round(float(m.group(1)) * hidden_size)
+            dims = round(float(m.group(1) or 1) * hidden_size)
     elif isinstance(value, (int, float)) and not isinstance(value, bool) and float(value).is_integer():
         dims = int(value)
     else:
