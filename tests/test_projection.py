@@ -190,6 +190,11 @@ def test_transcode_rewrites_a_raw_store_and_refuses_projected_and_replay_stores(
     held = write_store(tmp_path / "features-heldout", seqs[:2], layer_ids=STORE_LAYERS, hidden_size=H)
     with pytest.raises(StoreError, match=f"{held.path} is a replay store"):
         transcode(held.path, tmp_path / "x", project="pca", progress=False)
+    with pytest.raises(StoreError, match=f"{held.path} is a replay store"):
+        transcode(held.path, tmp_path / "x", dtype="float8_e4m3", progress=False)
+    # an eval copy in a training store's basis (the trainer's eval store; replay keeps the raw original)
+    m3 = transcode(held.path, tmp_path / "heldout-r", basis=tmp_path / "r", progress=False)
+    assert m3["projection"]["sha256"] == m["projection"]["sha256"]
 
 
 # --- the drafter ------------------------------------------------------------------------------------------------

@@ -7,7 +7,9 @@ generation settings) and a `transcoded_from` entry. A projected copy's basis is 
 (`basis`: its file copied byte for byte, so both stores name the same sha256 and train together).
 
 Refused by name: a source that is already projected (its layers cannot be recovered) and a replay store (the eval
-prompts' store, `features-heldout`: served-order replay reads its raw features with the exported drafter).
+prompts' store, `features-heldout`: served-order replay reads its raw features with the exported drafter), except
+with `basis`: a copy projected by a training store's basis is the trainer's eval store for a drafter trained on that
+basis (`train.eval_stores`: mixed kinds are refused), while the replay keeps reading the raw original.
 """
 
 from __future__ import annotations
@@ -70,10 +72,11 @@ def transcode(
     manifest = read_manifest(src)
     if manifest.get("layout", {}).get("project_dims") or manifest.get("projection"):
         raise StoreError(f"{src} is already a projected store: its layers cannot be recovered; transcode a raw store")
-    if is_replay_store(src, manifest):
+    if is_replay_store(src, manifest) and basis is None:
         raise StoreError(
             f"{src} is a replay store (the eval prompts' store): served-order replay reads its raw features with the "
-            "exported drafter, which reads raw features whatever store it was trained on; keep it as it is"
+            "exported drafter, which reads raw features whatever store it was trained on; keep it as it is. Only an "
+            "eval copy for a drafter trained on a projected store is made of it: basis=THAT_STORE"
         )
     if is_store(dst) or (dst.exists() and any(dst.iterdir())):
         raise StoreError(f"{dst} exists and is not empty: transcode writes a new store")
