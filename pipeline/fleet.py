@@ -314,7 +314,10 @@ def fit_store_projection(writer: StoreWriter, fit, records) -> None:
     entry = projection_to_fit(writer)
     if entry is None:
         return
-    got = fit(list(records), int(entry["calibration_tokens"]), entry.get("method", "pca"))
+    tokens = int(entry["calibration_tokens"])
+    # the first prompts, enough of them for the calibration tokens (a worker takes them in order until it has those)
+    first = list(records[: max(1024, tokens // 8)])
+    got = fit(first, tokens, entry.get("method", "pca"))
     writer.update(projection={**entry, **got})
     print(f"projection basis {got['sha256'][:12]} recorded in {writer.path}", file=sys.stderr, flush=True)
 
