@@ -323,3 +323,16 @@ def test_mixed_bases_and_raw_with_projected_are_refused_by_name(trained, tmp_pat
     kw = train_kwargs(tmp_path, str(tmp / "proj"), target)
     with pytest.raises(StoreMismatch, match=r"drafter.layer_ids \[1, 3\] cannot be read"):
         train(*configs(kw, {**drafter, "layer_ids": [1, 3]}))
+
+
+def test_transcode_command_line(tmp_path, capsys):
+    from pipeline.__main__ import transcode_command
+
+    raw = write_store(tmp_path / "raw", raw_sequences(3), layer_ids=STORE_LAYERS, hidden_size=H, chunk_tokens=16)
+    assert transcode_command([str(raw.path), str(tmp_path / "x"), "colour=red"]) == 2
+    dst = tmp_path / "r"
+    args = [str(raw.path), str(dst), "dtype=fp8", "project=pca", "project_dims=H", "calibration_tokens=50"]
+    assert transcode_command(args) == 0
+    assert f"{dst}: 3 sequences" in capsys.readouterr().out and StoreReader(dst).dtype == "float8_e4m3"
+    assert transcode_command([str(dst), str(tmp_path / "y"), "dtype=fp8"]) == 1
+    assert f"{dst} is already a projected store" in capsys.readouterr().err
