@@ -13,7 +13,8 @@ P = diag(1/rms) @ V_r. `lift` = diag(rms) @ V_r is its right inverse (P^T @ lift
 [H, L*H] becomes the projected fc' = fc @ lift (exact for a drafter folded from the same basis; for any other the
 fc that reads the PCA reconstruction of the features).
 
-The basis is kept in the store as `projection.safetensors` (float32 `projection`, `lift`, `rms`), its sha256 in
+The basis is kept in the store as `projection.safetensors` (float32 `projection` and `rms`; `lift` = diag(rms^2) P
+is derived), its sha256 in
 the manifest's `projection` entry; `load_projection` refuses a file whose bytes do not hash to it, naming the path.
 """
 
@@ -193,7 +194,7 @@ def save_projection(store_path, proj: Projection, **meta) -> dict:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     info = {**proj.meta, **meta}
-    tensors = {"projection": proj.projection, "lift": proj.lift, "rms": proj.rms}
+    tensors = {"projection": proj.projection, "rms": proj.rms}  # lift = diag(rms^2) P: derived on load
     save_file(tensors, str(tmp), metadata={"flashdraft": json.dumps(info, sort_keys=True)})
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
@@ -235,10 +236,11 @@ def load_projection(store_path, manifest: dict | None = None) -> Projection | No
         )
     try:
         with safe_open(str(path), framework="pt") as f:
-            t = {k: f.get_tensor(k) for k in ("projection", "lift", "rms")}
+            t = {k: f.get_tensor(k) for k in ("projection", "rms")}
     except Exception as e:  # noqa: BLE001 - any unreadable file is a damaged store
         raise StoreError(f"{path}: the projection basis is unreadable: {e}") from e
-    proj = Projection(t["projection"], t["lift"], t["rms"], dict(entry), sha)
+    lift = (t["projection"].double() * t["rms"].double()[:, None] ** 2).float()  # diag(rms) V = diag(rms^2) P
+    proj = Projection(t["projection"], lift, t["rms"], dict(entry), sha)
     if dims and proj.dims != dims:
         raise StoreError(f"{path}: the basis has {proj.dims} dimensions, the store's layout {dims}")
     return proj
