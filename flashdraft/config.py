@@ -82,6 +82,12 @@ class StoreConfig:
     chunk_tokens: int = 64  # inner chunk rows: the unit of a random read
     shard_tokens: int = 4096  # rows buffered per write (each array of a shard is one file, whatever its rows)
     teacher_topk: int = 0  # > 0: also keep the target's k most likely next tokens per token (train.soft_labels)
+    # pca: store the captured layers' features projected to project_dims (an int, or H, 2H, 2.5H: times the
+    # target's hidden size) by a basis fitted once per store on its first calibration_tokens tokens
+    # (flashdraft.store.projection); null: the raw features. The drafter exports unchanged (fc folded with the basis).
+    project: str | None = None
+    project_dims: str = "2H"
+    calibration_tokens: int = 32768
 
 
 @dataclass

@@ -41,6 +41,29 @@ except ImportError:  # pragma: no cover - torch without FlexAttention
     BlockMask, flex_attention = None, None
 
 
+def feature_dims(config) -> int:
+    """The width of the features `fc` reads: n target layers x H, or, for a drafter being trained on a projected
+    store (`feature_projection` not yet `folded`, `flashdraft.store.projection`), the store's r dims. An exported
+    drafter is always folded: its fc reads the raw n*H features, as the published drafters' do."""
+    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    fp = get("feature_projection")
+    if fp and not fp.get("folded", False):
+        return int(fp["dims"])
+    return len(get("dflash_config")["target_layer_ids"]) * int(get("hidden_size"))
+
+
+def fold_projection(fc: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
+    """fc' [H, r] on projected features z = x @ P -> fc [H, n*H] on raw features x: fc = fc' @ P^T (float32, then
+    fc's dtype), so that x @ fc^T == (x @ P) @ fc'^T."""
+    return (fc.float() @ projection.float().T.to(fc.device)).to(fc.dtype)
+
+
+def lift_fc(fc: torch.Tensor, lift: torch.Tensor) -> torch.Tensor:
+    """A raw fc [H, n*H] -> fc' [H, r] = fc @ lift: the inverse of `fold_projection` for a drafter folded from the
+    same basis (P^T @ lift = I), else the fc' that reads the features' reconstruction from the r directions."""
+    return (fc.float() @ lift.float().to(fc.device)).to(fc.dtype)
+
+
 def extract_context_feature(hidden_states, layer_ids) -> torch.Tensor:
     """The output of decoder layer i is `hidden_states[i + 1]` (index 0 is the embeddings)."""
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
@@ -174,7 +197,7 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList([DraftLayer(config) for _ in range(config.num_hidden_layers)])
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = FloatRotaryEmbedding(config)
-        self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
+        self.fc = nn.Linear(feature_dims(config), config.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.reset_parameters()
 
@@ -190,14 +213,15 @@ class DFlashDrafter(nn.Module):
                 nn.init.ones_(module.weight)
 
     @torch.no_grad()
-    def init_from_target(self, tensors: dict, prefix: str = "model.") -> list[int]:
+    def init_from_target(self, tensors: dict, prefix: str = "model.", lift: torch.Tensor | None = None) -> list[int]:
         """Start from the target's own top decoder layers instead of noise.
 
         Draft layer i takes the weights of target layer L-N+i (Llama and Qwen3 names; a target
         without q_norm/k_norm leaves them at 1), `norm` takes the target's final norm, `fc` starts
         as the identity on the deepest captured feature and `hidden_norm` as the mean input norm of
         the copied layers, so the context keys/values start as those layers' own. Returns the
-        target layers copied. `tensors`: the target checkpoint's tensors by name (any superset).
+        target layers copied. `tensors`: the target checkpoint's tensors by name (any superset). A drafter of a
+        projected store takes that fc lifted to its r inputs (`lift_fc` with the store basis's `lift`).
         """
         num_target_layers = int(self.config.num_target_layers)
         first = num_target_layers - len(self.layers)
@@ -226,8 +250,12 @@ class DFlashDrafter(nn.Module):
         if f"{prefix}norm.weight" in tensors:
             copied["norm.weight"] = tensors[f"{prefix}norm.weight"]
         hidden = self.config.hidden_size
-        fc = torch.zeros_like(own["fc.weight"])
+        fc = torch.zeros(hidden, len(self.target_layer_ids) * hidden, dtype=own["fc.weight"].dtype)
         fc[:, -hidden:] = torch.eye(hidden)
+        if own["fc.weight"].shape != fc.shape:
+            if lift is None:
+                raise ValueError(f"fc reads {own['fc.weight'].shape[1]} projected features: give the basis's lift")
+            fc = lift_fc(fc, lift)
         copied["fc.weight"] = fc
         copied["hidden_norm.weight"] = torch.stack(
             [tensors[f"{prefix}layers.{first + i}.input_layernorm.weight"] for i in range(len(self.layers))]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from flashdraft.store import StoreReader
+from flashdraft.store import StoreError, StoreReader
 from harness.acceptance import GREEDY
 from harness.tree import follow
 
@@ -41,6 +41,11 @@ def replay_acceptance(
     """Committed tokens per round when the stored response of `seq_id` is served greedily by `policy` with at
     most `max_new_tokens` new tokens, as `speculative_generate` counts them. `verified` and `sources`, if given,
     get the drafts verified and the round's draft source (`Draft.source`) appended, a round at a time."""
+    if store.projected and policy.layer_ids is not None:
+        raise StoreError(
+            f"{store.path} is a projected store: served-order replay feeds the exported drafter the raw features it "
+            "reads when served; replay on the raw store the projected one was made from"
+        )
     seq = store.read(store.index(seq_id), layers=policy.layer_ids)
     response = seq.loss_mask.nonzero()[0]
     if len(response) == 0:

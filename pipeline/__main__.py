@@ -4,6 +4,7 @@ python -m pipeline model=smollm2-135m data.limit=8          # capture (resumes i
 python -m pipeline estimate data=nemotron model=qwen3-8b     # bytes, shards, files, GPU-hours (offline too)
 python -m pipeline verify runs/smollm2-135m/features        # check a store; exit 1 on a problem
 python -m pipeline repair runs/smollm2-135m/features        # drop listed shards missing on disk (rerun recaptures)
+python -m pipeline transcode SRC DST dtype=fp8 project=pca project_dims=2H   # a copy in another dtype / projected
 python -m pipeline paths run_dir=/shared/runs/qwen3-8b       # where a cluster job writes; exit 1 if relative
 """
 
@@ -29,6 +30,7 @@ from flashdraft.prompts import PromptSourceUnavailable  # noqa: E402
 from flashdraft.spec import capture_layer_ids, check_layer_ids, default_layer_ids  # noqa: E402
 from flashdraft.store import StoreError, StoreLayout, verify_store  # noqa: E402
 from flashdraft.store.lock import writer_lock  # noqa: E402
+from flashdraft.store.projection import split_store_options  # noqa: E402
 from flashdraft.store.repair import drop_missing_shards  # noqa: E402
 from pipeline.fleet import FleetConfig, run_fleet  # noqa: E402
 from pipeline.job import (  # noqa: E402
@@ -222,7 +224,8 @@ def estimate_command(cfg: Config) -> int:
     settings = settings_from(cfg, offline_ok=True)
     rows = estimate_rows(cfg, settings)
     d = cfg.data
-    layout = StoreLayout(settings.layer_ids, cfg.model.hidden_size, **asdict(d.store))
+    options, _ = split_store_options(asdict(d.store), settings.layer_ids, cfg.model.hidden_size)
+    layout = StoreLayout(settings.layer_ids, cfg.model.hidden_size, **options)
     rate = d.capture_tokens_per_s
     e = estimate(
         rows,
@@ -246,6 +249,14 @@ def estimate_command(cfg: Config) -> int:
     )
     for dtype, x in e["by_dtype"].items():
         print(f"  {dtype:<12} {x['bytes_per_token']:>7,} bytes/token = {tb(x['bytes'])}")
+    if e["projected"]:
+        print(
+            "projected (data.store.project=pca data.store.project_dims=r: r features a token, one fp8 scale a token; "
+            "the exported drafter is unchanged):"
+        )
+    for (label, r, dtype), x in e["projected"].items():
+        name = f"r={label} ({r:,})"
+        print(f"  {name:<16} {dtype:<12} {x['bytes_per_token']:>7,} bytes/token = {tb(x['bytes'])}")
     print(
         f"shards: {e['shards']:,} (data.shard_size {d.shard_size} prompts, about {e['shard_tokens']:,} tokens a shard)"
     )
@@ -258,7 +269,8 @@ def estimate_command(cfg: Config) -> int:
     if rate == DataConfig.capture_tokens_per_s:
         print(f"  ({RATE_NOTE})")
     verdict = "fits" if e["fits"] else "DOES NOT FIT"
-    print(f"free disk at {cfg.features_dir}: {tb(e['free_bytes'])}; the {layout.dtype} store {verdict}")
+    what = f"{layout.dtype}, projected to {layout.project_dims} dims" if layout.project_dims else layout.dtype
+    print(f"free disk at {cfg.features_dir}: {tb(e['free_bytes'])}; the {what} store {verdict}")
     return 0 if e["fits"] else 1
 
 
@@ -302,6 +314,42 @@ def repair_command(argv: list[str]) -> int:
     return 0
 
 
+DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp8": "float8_e4m3", "fp32": "float32"}
+TRANSCODE_USAGE = (
+    "usage: python -m pipeline transcode SRC DST [dtype=bf16|fp16|fp8|fp32] [project=pca] [project_dims=2H] "
+    "[calibration_tokens=32768] [basis=OTHER_PROJECTED_STORE]"
+)
+
+
+def transcode_command(argv: list[str]) -> int:
+    """Rewrite a raw store in another dtype and/or projected (`flashdraft.store.transcode`)."""
+    from flashdraft.store.transcode import transcode
+
+    if len(argv) < 2 or any("=" not in a for a in argv[2:]):
+        print(TRANSCODE_USAGE, file=sys.stderr)
+        return 2
+    opts = dict(a.split("=", 1) for a in argv[2:])
+    unknown = set(opts) - {"dtype", "project", "project_dims", "calibration_tokens", "basis"}
+    if unknown:
+        print(f"error: unknown option(s) {sorted(unknown)}\n{TRANSCODE_USAGE}", file=sys.stderr)
+        return 2
+    if "dtype" in opts:
+        opts["dtype"] = DTYPE_NAMES.get(opts["dtype"], opts["dtype"])
+    if opts.get("project") in ("null", "none"):
+        opts["project"] = None
+    if "calibration_tokens" in opts:
+        opts["calibration_tokens"] = int(opts["calibration_tokens"])
+    try:
+        manifest = transcode(argv[0], argv[1], **opts)
+    except StoreError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    c, proj = manifest["counts"], manifest.get("projection")
+    what = f"projected to {proj['dims']} dims (basis {proj['sha256'][:12]})" if proj else "raw features"
+    print(f"{argv[1]}: {c['sequences']} sequences, {c['tokens']} tokens, {manifest['dtype']}, {what}")
+    return 0
+
+
 def paths_command(overrides: list[str]) -> int:
     """Print the output paths the overrides give; exit 1 naming any relative one (or a bad override).
     `jobs/ray_submit.sh` asks before it submits. The config is composed without a Hydra run: nothing is written."""
@@ -337,6 +385,8 @@ def main() -> None:
         sys.exit(verify_command(argv[1:]))
     if argv and argv[0] == "repair":
         sys.exit(repair_command(argv[1:]))
+    if argv and argv[0] == "transcode":
+        sys.exit(transcode_command(argv[1:]))
     if argv and argv[0] == "paths":
         sys.exit(paths_command(argv[1:]))
     command = capture_command

@@ -100,17 +100,20 @@ def regenerate_stream(
     teacher_topk: int = 0,
     prefill_tokens: int | None = None,
     overlap: bool | None = None,
+    project=None,
 ):
     """`regenerate` as a generator of (prompt index, Captured), each yielded the step its sequence ends; nothing
     is kept once yielded, so the caller's memory stays bounded by the batch, not by the number of prompts.
     `prefill_tokens`: the prompts joining the batch are prefilled in groups of at most this many tokens, padding
     included (`token_batches`); None: all together. `overlap`: read each step's results while the next one runs
-    (`ContinuousDecode`; None: on CUDA)."""
+    (`ContinuousDecode`; None: on CUDA). `project`: a store's basis, applied on the device (`LayerTap`)."""
     from pipeline.decode import ContinuousDecode  # here: it builds on this module's pieces
 
     limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     sampling = sampling or SamplingConfig()
-    decode = ContinuousDecode(model, layer_ids, stop_ids, pad_id, sampling, generator, teacher_topk, overlap)
+    decode = ContinuousDecode(
+        model, layer_ids, stop_ids, pad_id, sampling, generator, teacher_topk, overlap, project=project
+    )
     decode.add(prompts, limits)
     yield from decode.run(batch_size or max(1, len(prompts)), prefill_tokens)
 
@@ -133,12 +136,20 @@ def token_batches(lengths: list[int], budget: int | None) -> list[list[int]]:
 
 @torch.no_grad()
 def capture(
-    model, sequences: list[list[int]], loss_masks: list, layer_ids: list[int], *, pad_id: int, teacher_topk: int = 0
+    model,
+    sequences: list[list[int]],
+    loss_masks: list,
+    layer_ids: list[int],
+    *,
+    pad_id: int,
+    teacher_topk: int = 0,
+    project=None,
 ) -> list[Captured]:
-    """Capture-only: one left-padded prefill over complete sequences (prompt + existing response)."""
+    """Capture-only: one left-padded prefill over complete sequences (prompt + existing response). `project`: a
+    store's basis, applied on the device (`LayerTap`)."""
     device = next(model.parameters()).device
     ids, mask, pos = left_pad(sequences, pad_id, device)
-    with LayerTap(model, layer_ids, final=bool(teacher_topk)) as tap:
+    with LayerTap(model, layer_ids, final=bool(teacher_topk), project=project) as tap:
         model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=1)
         feats, final = tap.features().cpu(), tap.final
     width = feats.shape[1]

@@ -41,8 +41,10 @@ STATE = {
 class ContinuousDecode:
     """`add` prompts, then iterate `run` for (prompt index, Captured) as sequences end."""
 
-    def __init__(self, model, layer_ids, stop_ids, pad_id, sampling, generator, teacher_topk, overlap=None):
-        self.model, self.layer_ids = model, layer_ids
+    def __init__(
+        self, model, layer_ids, stop_ids, pad_id, sampling, generator, teacher_topk, overlap=None, project=None
+    ):
+        self.model, self.layer_ids, self.project = model, layer_ids, project
         self.pad_id, self.sampling, self.generator, self.teacher_topk = pad_id, sampling, generator, teacher_topk
         self.device = next(model.parameters()).device
         self.overlap = self.device.type == "cuda" if overlap is None else overlap
@@ -98,7 +100,7 @@ class ContinuousDecode:
 
     def _forward(self, **kwargs):
         """One target forward; returns its output and the chosen layers' features, on the device."""
-        with LayerTap(self.model, self.layer_ids) as tap:
+        with LayerTap(self.model, self.layer_ids, project=self.project) as tap:
             out = self.model(**kwargs, use_cache=True, logits_to_keep=1)
             return out, tap.features()
 

@@ -33,6 +33,7 @@ from flashdraft.store import (
 )
 from flashdraft.store.files import shard_dir, shard_seq_ids
 from flashdraft.store.lock import writer_lock
+from flashdraft.store.projection import DEFAULT_CALIBRATION_TOKENS
 from flashdraft.store.space import is_disk_full
 from pipeline.capture import TargetNaNError
 from pipeline.localray import local_ray
@@ -202,9 +203,9 @@ def _run_locked(
     book = _Bookkeeper(store_path, writer, fleet, summary, bar, len(tasks), on_result)
     try:
         if tasks and fleet.num_actors == 0:
-            _run_inline(store_path, settings, tasks, book)
+            _run_inline(store_path, settings, tasks, book, records)
         elif tasks:
-            _run_ray(store_path, settings, tasks, fleet, book)
+            _run_ray(store_path, settings, tasks, fleet, book, records)
     finally:
         bar.close()
         summary.wall_s = time.time() - t0
@@ -297,10 +298,35 @@ class _Bookkeeper:
         return None
 
 
-def _run_inline(store_path, settings, tasks, book: _Bookkeeper) -> None:
+def projection_to_fit(writer: StoreWriter) -> dict | None:
+    """The manifest's `projection` entry when the store is projected and its basis is not fitted yet; else None."""
+    writer.manifest = read_manifest(writer.path)
+    entry = writer.manifest.get("projection")
+    if not writer.layout.project_dims or (entry and entry.get("sha256")):
+        return None
+    return entry or {"method": "pca", "calibration_tokens": DEFAULT_CALIBRATION_TOKENS}
+
+
+def fit_store_projection(writer: StoreWriter, fit, records) -> None:
+    """Fit a projected store's basis once, before any task is dispatched: `fit(records, tokens, method)` (a worker's
+    `fit_projection`, in-process or on actor 0) writes it into the store; the driver records its sha256 in the
+    manifest, and every worker reads that one basis (checked against it) when it opens a task."""
+    entry = projection_to_fit(writer)
+    if entry is None:
+        return
+    tokens = int(entry["calibration_tokens"])
+    # the first prompts, enough of them for the calibration tokens (a worker takes them in order until it has those)
+    first = list(records[: max(1024, tokens // 8)])
+    got = fit(first, tokens, entry.get("method", "pca"))
+    writer.update(projection={**entry, **got})
+    print(f"projection basis {got['sha256'][:12]} recorded in {writer.path}", file=sys.stderr, flush=True)
+
+
+def _run_inline(store_path, settings, tasks, book: _Bookkeeper, records=()) -> None:
     worker = CaptureWorker(str(store_path), settings)
     queue = deque(tasks)
     try:
+        fit_store_projection(book.writer, worker.fit_projection, records)
         while queue:
             if book.stopped:
                 book.not_started(queue)
@@ -357,14 +383,14 @@ def resolve_actors(fleet: FleetConfig, device: str, gpus: float) -> tuple[FleetC
     return replace(fleet, num_actors=int(actors), gpus_per_actor=float(per_actor)), line
 
 
-def _run_ray(store_path, settings, tasks, fleet: FleetConfig, book: _Bookkeeper) -> None:
+def _run_ray(store_path, settings, tasks, fleet: FleetConfig, book: _Bookkeeper, records=()) -> None:
     import ray
 
     local, _ = resolve_actors(fleet, settings.device, _local_gpus(settings.device))
     with _ray_up(replace(fleet, num_actors=local.num_actors)):
         fleet, line = resolve_actors(fleet, settings.device, ray.cluster_resources().get("GPU", 0))
         print(line, file=sys.stderr, flush=True)
-        _drive_actors(store_path, settings, tasks, fleet, book)
+        _drive_actors(store_path, settings, tasks, fleet, book, records)
 
 
 def _local_gpus(device: str) -> int:
@@ -384,7 +410,7 @@ def capture_actor(fleet: FleetConfig):
     return ray.remote(num_cpus=fleet.cpus_per_actor, num_gpus=fleet.gpus_per_actor, max_restarts=0)(CaptureWorker)
 
 
-def _drive_actors(store_path, settings, tasks, fleet: FleetConfig, book: _Bookkeeper) -> None:
+def _drive_actors(store_path, settings, tasks, fleet: FleetConfig, book: _Bookkeeper, records=()) -> None:
     """Two calls in flight an actor, each naming the task of the actor's next call as its lookahead (the worker
     decodes it across the boundary): a slot's `reserved` task is the lookahead its last call was given."""
     import ray
@@ -405,6 +431,9 @@ def _drive_actors(store_path, settings, tasks, fleet: FleetConfig, book: _Bookke
             inflight[actors[slot].run.remote(task, reserved[slot])] = (task, slot, actors[slot])
 
     try:
+        # a projected store's basis, fitted once by actor 0 before any task: every actor then reads that one
+        fit = lambda recs, tokens, method: ray.get(actors[0].fit_projection.remote(recs, tokens, method))  # noqa: E731
+        fit_store_projection(book.writer, fit, records)
         for _ in range(2):  # two tasks queued per actor: no idle gap between tasks
             for slot in range(len(actors)):
                 submit(slot)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from flashdraft.prompts import DEFAULT_HELDOUT_FRACTION, check_limit, load_prompts
 from flashdraft.store import StoreLayout, StoreWriter, bytes_per_token, files_per_shard
+from flashdraft.store.projection import split_store_options
 from flashdraft.target import chat_input_ids, chat_template_hash, load_config, load_tokenizer, target_fingerprint
 from pipeline.worker import CaptureSettings
 
@@ -76,8 +77,16 @@ def open_store(store_path, settings: CaptureSettings, *, sources, store_options:
         "generation": settings.identity(),
         "sources": [str(s) for s in sources],
     }
+    layout, projection = split_store_options(store_options, settings.layer_ids, config.hidden_size)
+    if projection is not None:  # what to fit; the driver fits it before the first task (`pipeline.fleet`)
+        from flashdraft.store import is_store, read_manifest
+
+        if is_store(store_path) and (read_manifest(store_path).get("projection") or {}).get("sha256"):
+            projection = None  # a resumed capture keeps the basis the store holds
+        else:
+            extra["projection"] = {**projection, "sha256": None}
     return StoreWriter(
-        store_path, layer_ids=settings.layer_ids, hidden_size=config.hidden_size, manifest_extra=extra, **store_options
+        store_path, layer_ids=settings.layer_ids, hidden_size=config.hidden_size, manifest_extra=extra, **layout
     )
 
 
@@ -144,8 +153,9 @@ def estimate(
     store_path,
 ) -> dict:
     """Bytes on disk, shards, files and GPU-hours of a capture of `rows` (`sampled_row` / `figures_row`) in
-    `layout`, and in bf16 and fp8 beside it: prompts x (prompt + response, at most max_length) tokens x bytes a
-    token. Compression is not counted (half-precision features barely compress), so bytes are an upper bound."""
+    `layout`, and in bf16 and fp8 beside it, raw and projected to r = H, 2H, 2.5H (`projected`, keyed (label, r,
+    dtype)): prompts x (prompt + response, at most max_length) tokens x bytes a token. Compression is not counted
+    (half-precision features barely compress), so bytes are an upper bound."""
     prompts = sum(r["prompts"] for r in rows)
     tokens = sum(int(r["prompts"] * min(max_length, r["prompt_tokens"] + r["response_tokens"])) for r in rows)
     shards = -(-prompts // shard_size)
@@ -160,10 +170,24 @@ def estimate(
             "files": shards * files_per_shard(lay),
         }
         by_dtype[dtype]["bytes"] = tokens * by_dtype[dtype]["bytes_per_token"]
+    projected = {}  # the features projected (data.store.project=pca) to r = H, 2H, 2.5H, in bf16 and fp8
+    H, L = layout.hidden_size, len(layout.layer_ids)
+    for label, r in {"H": H, "2H": 2 * H, "2.5H": round(2.5 * H), **_own_dims(layout)}.items():
+        if not 0 < r < L * H:
+            continue
+        for dtype in ("bfloat16", "float8_e4m3"):
+            b = bytes_per_token(L, H, dtype, layout.teacher_topk, project_dims=r)
+            projected[(label, r, dtype)] = {"bytes_per_token": b, "bytes": tokens * b}
     path = Path(store_path)
     while not path.exists():
         path = path.parent
     free = shutil.disk_usage(path).free
+    if layout.project_dims:
+        own_bytes = tokens * bytes_per_token(
+            len(layout.layer_ids), layout.hidden_size, layout.dtype, layout.teacher_topk, layout.project_dims
+        )
+    else:
+        own_bytes = by_dtype[layout.dtype]["bytes"]
     return {
         "prompts": prompts,
         "mean_prompt_tokens": sum(r["prompts"] * r["prompt_tokens"] for r in rows) / max(1, prompts),
@@ -172,7 +196,14 @@ def estimate(
         "shards": shards,
         "shard_tokens": int(shard_tokens),
         "by_dtype": by_dtype,
+        "projected": projected,
         "gpu_hours": tokens / capture_tokens_per_s / 3600,
         "free_bytes": free,
-        "fits": by_dtype[layout.dtype]["bytes"] < free,
+        "fits": own_bytes < free,
     }
+
+
+def _own_dims(layout: StoreLayout) -> dict:
+    """The layout's own projection, if any and not one of H, 2H, 2.5H, as a row of `estimate`'s projected table."""
+    r, H = layout.project_dims, layout.hidden_size
+    return {str(r): r} if r and r not in (H, 2 * H, round(2.5 * H)) else {}

@@ -149,5 +149,6 @@ def final_prefill(worker, chats: list[Conversation]) -> Iterator[tuple[Conversat
             list(w.s.layer_ids),
             pad_id=w.pad_id,
             teacher_topk=w.layout.teacher_topk,
+            project=w.projection(),
         )
         yield from zip(convs, outs)

@@ -22,6 +22,7 @@ from flashdraft.config import SamplingConfig
 from flashdraft.prompts import PromptRecord, thinking_of
 from flashdraft.store import ShardWriter, StoreLayout, read_manifest, shard_exists
 from flashdraft.store.files import shard_dir
+from flashdraft.store.projection import fit_projection, load_projection, save_projection
 from flashdraft.store.space import check_free_space
 from flashdraft.target import chat_text, load_target, resolve_dtype, stop_token_ids, template_takes_thinking
 from flashdraft.target.memory import decode_rows, prefill_token_budget
@@ -161,6 +162,7 @@ class CaptureWorker:
         self._stream = None  # its running generator
         self._owner: dict[int, tuple[_TaskRun, int]] = {}  # decode index -> (task run, index into its encoded)
         self._ahead: _TaskRun | None = None  # the lookahead task opened by the last call
+        self._projection = None  # the store's basis on the model's device, once a task needs it (`projection`)
         for line in lines:
             print(f"capture worker {os.getpid()}: {line}", file=sys.stderr, flush=True)
 
@@ -290,6 +292,56 @@ class CaptureWorker:
         end = next((i + 1 for i, t in enumerate(ids) if t in self.stop_ids), len(ids))
         return ids[:end]
 
+    # --- the store's projection -----------------------------------------------------------------
+
+    def projection(self):
+        """The store's basis (None for raw features), read from the store once its manifest records it (the file's
+        sha256 checked), on the model's device: every worker of a capture applies the one basis the driver fitted."""
+        if self.layout.project_dims and self._projection is None:
+            proj = load_projection(self.store_path)
+            if proj is None or proj.dims != self.layout.project_dims:
+                raise RuntimeError(f"{self.store_path}: no projection basis of {self.layout.project_dims} dims")
+            self._projection = proj.to(next(self.model.parameters()).device)
+        return self._projection
+
+    def projection_sha(self) -> str | None:
+        return None if self.projection() is None else self._projection.sha256
+
+    def fit_projection(self, records, tokens: int, method: str = "pca") -> dict:
+        """Fit the store's basis on the raw features of the first `tokens` tokens of `records` (their prompts, or in
+        capture mode their whole sequences; one prefill a `prefill_tokens` group, on the target's device) and write
+        it into the store; returns the manifest's `projection` entry (the driver records it)."""
+        seqs, n = [], 0
+        for rec in records:
+            e = self.encode(rec)
+            if isinstance(e, str):
+                continue
+            seqs.append((e.ids if isinstance(e, Conversation) else e[0])[: max(1, tokens - n)])
+            n += len(seqs[-1])
+            if n >= tokens:
+                break
+        if not seqs:
+            raise RuntimeError("no prompt of the capture encodes: nothing to fit the store's projection on")
+        device = next(self.model.parameters()).device
+        feats = []
+        for group in token_batches([len(x) for x in seqs], self.prefill_tokens):
+            group_seqs = [seqs[i] for i in group]
+            masks = [[False] * len(x) for x in group_seqs]
+            out = capture(self.model, group_seqs, masks, list(self.s.layer_ids), pad_id=self.pad_id)
+            feats += [c.features.to(device) for c in out]
+        proj = fit_projection(feats, self.layout.project_dims, method=method)
+        entry = save_projection(
+            self.store_path, proj, layer_ids=list(self.s.layer_ids), hidden_size=self.layout.hidden_size
+        )
+        print(
+            f"capture worker {os.getpid()}: projection basis fitted on {proj.meta['calibration_tokens']} tokens: "
+            f"{proj.dims} of {proj.input_dims} dims keep {100 * proj.meta['explained']:.1f}% of the scaled "
+            f"features' second moment (sha256 {entry['sha256'][:12]})",
+            file=sys.stderr,
+            flush=True,
+        )
+        return entry
+
     # --- a task ------------------------------------------------------------------------------
 
     def run(self, task: Task, lookahead: Task | None = None) -> dict:
@@ -319,7 +371,13 @@ class CaptureWorker:
             self._drop_ahead()
             raise
         devices = os.environ.get("CUDA_VISIBLE_DEVICES")  # as Ray set it for this actor (None: unset)
-        return {"info": current.shard.info(), "pid": os.getpid(), "seconds": time.time() - t0, "devices": devices}
+        return {
+            "info": current.shard.info(),
+            "pid": os.getpid(),
+            "seconds": time.time() - t0,
+            "devices": devices,
+            **({"projection_sha256": self.projection_sha()} if self.layout.project_dims else {}),
+        }
 
     def close(self) -> None:
         """Drop a lookahead never run (its temporary shard goes) and stop the compression threads."""
@@ -332,6 +390,7 @@ class CaptureWorker:
         loop) with its rejects, and, in the shared greedy decode, queue its prompts."""
         if shard_exists(self.store_path, task.name):
             raise FileExistsError(f"shard {task.name} already exists in {self.store_path}")
+        self.projection()  # a projected store's basis before anything is captured (refused when it is damaged)
         encoded, chats, rejects = [], [], []
         for rec in task.records:
             e = self.encode(rec)
@@ -395,7 +454,14 @@ class CaptureWorker:
         if self._decode is None:
             s = self.s
             self._decode = ContinuousDecode(
-                self.model, list(s.layer_ids), self.stop_ids, self.pad_id, s.sampling, None, self.layout.teacher_topk
+                self.model,
+                list(s.layer_ids),
+                self.stop_ids,
+                self.pad_id,
+                s.sampling,
+                None,
+                self.layout.teacher_topk,
+                project=self.projection(),
             )
         return self._decode
 
@@ -442,7 +508,10 @@ class CaptureWorker:
         if self.s.mode == "capture":
             for group in token_batches([len(x) for x in ids], self.prefill_tokens):
                 seqs, masks = [ids[i] for i in group], [encoded[i][2] for i in group]
-                yield from zip(group, capture(self.model, seqs, masks, layers, pad_id=self.pad_id, teacher_topk=topk))
+                got = capture(
+                    self.model, seqs, masks, layers, pad_id=self.pad_id, teacher_topk=topk, project=self.projection()
+                )
+                yield from zip(group, got)
             return
         gen = torch.Generator(device=self.model.device).manual_seed(seed) if self.s.sampling.do_sample else None
         yield from regenerate_stream(
@@ -457,4 +526,5 @@ class CaptureWorker:
             batch_size=self.batch_size,
             teacher_topk=topk,
             prefill_tokens=self.prefill_tokens,
+            project=self.projection(),
         )

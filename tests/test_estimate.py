@@ -104,3 +104,20 @@ def test_files_per_shard_counts_a_real_shard(tmp_path, dtype, topk):
     dirs = sum(len(d) for _, d, _ in os.walk(shard))
     lay = StoreLayout(tuple(layout.pop("layer_ids")), layout.pop("hidden_size"), **layout)
     assert (files_per_shard(lay), dirs_per_shard(lay)) == (files, dirs)
+
+
+def test_the_estimate_prints_every_projected_option(tmp_path):
+    """Issue #47: r = H, 2H, 2.5H features a token (one fp8 scale a token), in bf16 and fp8, beside the raw sizes."""
+    r = estimate(tmp_path, "data=nemotron")
+    out = r.stdout
+    assert r.returncode in (0, 1), r.stderr
+    tokens = number(out, r"prompts \(train split\), ([\d,]+) tokens")
+    for label, dims in (("H", 4096), ("2H", 8192), ("2.5H", 10240)):
+        for dtype, per in (("bfloat16", 2 * dims + 5), ("float8_e4m3", dims + 4 + 5)):
+            row = rf"r={re.escape(label)} \({dims:,}\) +{dtype} +([\d,]+) bytes/token"
+            assert number(out, row) == per
+            assert number(out, row.replace(r"([\d,]+) bytes/token", r"[\d,]+ bytes/token = ([\d.,]+) TB")) == round(
+                tokens * per / 1e12, 2
+            )
+    # the paper job (qwen3-8b, nemotron): 63.41 TB in bf16, 12.69 TB at r = H in bf16, 6.35 TB in fp8
+    assert number(out, r"r=H \(4,096\) +float8_e4m3 .* = ([\d.,]+) TB") == 6.35

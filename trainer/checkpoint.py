@@ -19,6 +19,7 @@ with `torch.load(weights_only=False)`, which runs whatever code a planted file n
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import pickle
@@ -97,10 +98,18 @@ def _new_tag(root: Path, step: int) -> str:
     return tag
 
 
-def export_drafter(drafter_cls, config, state: dict, out: Path, dtype=None) -> Path:
+def export_drafter(drafter_cls, config, state: dict, out: Path, dtype=None, projection=None) -> Path:
     """Write the drafter as a published-format HF folder at `out`, replacing it in one atomic step: a crash at any
-    moment leaves the previous drafter or the new one at `out`, both whole."""
+    moment leaves the previous drafter or the new one at `out`, both whole. A drafter trained on a projected store
+    (`projection`: its basis) is exported folded: fc = fc' @ P^T reads the raw features, its config's
+    `feature_projection` (the basis's sha256) marked folded."""
     out = Path(out)
+    if projection is not None:
+        from flashdraft.model import fold_projection
+
+        state = {**state, "fc.weight": fold_projection(state["fc.weight"], projection.projection)}
+        config = copy.deepcopy(config)
+        config.feature_projection = {**projection.provenance(), "folded": True}
     model = drafter_cls(config)
     model.load_state_dict(state)
     out.parent.mkdir(parents=True, exist_ok=True)

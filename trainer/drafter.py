@@ -11,9 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from flashdraft.config import DrafterConfig, TrainConfig
-from flashdraft.model import DFlashDrafter
+from flashdraft.model import DFlashDrafter, lift_fc
 from flashdraft.spec import DraftSpec
 from flashdraft.store import read_manifest
+from flashdraft.store.projection import Projection, load_projection
 from flashdraft.target import (
     choose_mask_token,
     family_of,
@@ -23,7 +24,7 @@ from flashdraft.target import (
     target_fingerprint,
     text_config,
 )
-from trainer.store_check import check_store, store_layer_ids
+from trainer.store_check import check_store, store_layer_ids, store_projection_sha
 
 
 def drafter_spec(cfg: TrainConfig, drafter: DrafterConfig, target_config) -> DraftSpec:
@@ -50,26 +51,52 @@ def trained_thinking(modes) -> str | None:
     return "mixed" if len(seen) == 2 else ("on" if True in seen else "off")
 
 
-def init_weights(model: DFlashDrafter, init: str, target: str, target_config) -> None:
+def stores_projection(cfg: TrainConfig, drafter: DrafterConfig) -> Projection | None:
+    """The projection basis of the training and eval stores (its file's sha256 checked), None for raw features;
+    mixed kinds or bases refused by name (`store_projection_sha`). The drafter then trains fc' on r inputs and is
+    exported folded (`flashdraft.model.fold_projection`)."""
+    paths = [*cfg.stores, *(cfg.eval_stores or [])]
+    manifests = {path: read_manifest(path) for path in paths}
+    sha = store_projection_sha(manifests, drafter.layer_ids)
+    if sha is None:
+        return None
+    return load_projection(paths[0], manifests[paths[0]])
+
+
+def projected_config(draft_config, projection: Projection | None):
+    """The drafter's config for training on `projection`'s features: `feature_projection` records the basis (not yet
+    folded: fc reads its r dims); unchanged for raw features."""
+    if projection is not None:
+        draft_config.feature_projection = {**projection.provenance(), "folded": False}
+    return draft_config
+
+
+def init_weights(model: DFlashDrafter, init: str, target: str, target_config, projection=None) -> None:
     """train.init: "random" keeps the fresh weights; "target" starts the draft layers as the target's top layers;
-    anything else is a drafter folder to fine-tune."""
+    anything else is a drafter folder to fine-tune. On a projected store (`projection`) the fc of either start,
+    which reads raw features, is lifted to the basis's r inputs (`flashdraft.model.lift_fc`: exact for a drafter
+    exported from the same basis)."""
+    lift = projection.lift if projection is not None else None
     if init == "target":
         n = text_config(target_config).num_hidden_layers
         wanted = tuple(f".layers.{j}." for j in range(n - model.config.num_hidden_layers, n))
         tensors = read_target_tensors(
             target, lambda name: name.endswith("norm.weight") or any(w in name for w in wanted)
         )
-        model.init_from_target(tensors, prefix=family_of(target_config).decoder_prefix(tensors))
+        model.init_from_target(tensors, prefix=family_of(target_config).decoder_prefix(tensors), lift=lift)
     elif init != "random":
-        init_from_drafter(model, init)
+        init_from_drafter(model, init, lift)
 
 
-def init_from_drafter(drafter: DFlashDrafter, path) -> None:
-    """Start from an exported drafter's weights (fine-tuning); it must have this run's shape."""
+def init_from_drafter(drafter: DFlashDrafter, path, lift=None) -> None:
+    """Start from an exported drafter's weights (fine-tuning); it must have this run's shape (its fc lifted to the
+    r inputs of a projected store by `lift`)."""
     if not (Path(path) / "config.json").is_file():
         raise ValueError(f"train.init must be 'random', 'target' or a drafter folder; {path!r} holds no config.json")
     source = DFlashDrafter.from_pretrained(path)
     theirs, ours = source.state_dict(), drafter.state_dict()
+    if lift is not None and theirs["fc.weight"].shape[1] == lift.shape[0]:
+        theirs["fc.weight"] = lift_fc(theirs["fc.weight"], lift)
     wrong = [k for k in ours if k not in theirs or theirs[k].shape != ours[k].shape]
     if wrong:
         raise ValueError(

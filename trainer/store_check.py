@@ -33,6 +33,40 @@ def store_layer_ids(manifests: dict, wanted=None) -> list[int]:
     return wanted
 
 
+def store_projection_sha(manifests: dict, layer_ids=None) -> str | None:
+    """The one projection basis (its sha256) the stores ({path: manifest}) hold, None where all hold raw features.
+    Refused by name: raw and projected stores mixed (a drafter's fc reads one or the other), stores projected by
+    different bases (their r columns mean different things), or a projected store read for a subset of its layers
+    (the basis mixes them)."""
+    from flashdraft.store.projection import projection_sha
+
+    shas = {str(path): projection_sha(manifest) for path, manifest in manifests.items()}
+    raw = [p for p, s in shas.items() if s is None]
+    projected = {p: s for p, s in shas.items() if s is not None}
+    if raw and projected:
+        raise StoreMismatch(
+            f"raw and projected feature stores mixed: raw {raw}; projected {list(projected)}. Train on one kind: "
+            f"transcode the raw ones with the same basis (python -m pipeline transcode SRC DST "
+            f"project=pca basis={next(iter(projected))})"
+        )
+    if len(set(projected.values())) > 1:
+        listing = "; ".join(f"{p}: basis {s[:12]}" for p, s in projected.items())
+        raise StoreMismatch(
+            f"the feature stores are projected by different bases ({listing}); train on stores of one basis "
+            f"(transcode a raw copy with basis=OTHER_STORE)"
+        )
+    if not projected:
+        return None
+    for path, manifest in manifests.items():
+        held = [int(i) for i in manifest["layer_ids"]]
+        if layer_ids is not None and [int(i) for i in layer_ids] != held:
+            raise StoreMismatch(
+                f"feature store {path} is projected (its basis mixes layers {held}): drafter.layer_ids "
+                f"{list(layer_ids)} cannot be read from it; leave drafter.layer_ids unset"
+            )
+    return next(iter(projected.values()))
+
+
 def check_store(path, manifest: dict, *, hidden_size: int, vocab_size: int, target: dict | None) -> None:
     """`target` is `flashdraft.target.target_fingerprint(...)` of the configured target (or None to skip)."""
     where = f"feature store {path}"

@@ -23,7 +23,7 @@ from flashdraft.spec import TRAINED_THINKING_KEY, DraftSpec
 from flashdraft.target import load_config, load_frozen_head, text_config
 from trainer.checkpoint import export_drafter, latest_tag, load_checkpoint, read_client_state, save_checkpoint
 from trainer.data import Plan, Prefetcher, TrainingData
-from trainer.drafter import drafter_spec, init_weights, trained_thinking
+from trainer.drafter import drafter_spec, init_weights, projected_config, stores_projection, trained_thinking
 from trainer.engine import (
     all_sum,
     build_engine,
@@ -106,6 +106,7 @@ def train(cfg: TrainConfig, drafter: DrafterConfig) -> dict:
     proc = start_process(cfg)
     target_config = load_config(cfg.target)
     spec = drafter_spec(cfg, drafter, target_config)
+    projection = stores_projection(cfg, drafter)  # None: raw features
     init_distributed(proc.device)
     stores = [*cfg.stores, *(cfg.eval_stores or [])]
     verify_stores(stores, cfg.verify_store, fraction=cfg.verify_sample, rank=proc.rank, world=proc.world)
@@ -120,10 +121,10 @@ def train(cfg: TrainConfig, drafter: DrafterConfig) -> dict:
         print(no_eval_note(cfg, eval_data), flush=True)
 
     torch.manual_seed(cfg.seed)
-    draft_config = spec.draft_config(target_config)
+    draft_config = projected_config(spec.draft_config(target_config), projection)
     setattr(draft_config, TRAINED_THINKING_KEY, trained_thinking(data.thinking_modes()))  # provenance for the harness
     model = DFlashDrafter(draft_config)
-    init_weights(model, cfg.init, cfg.target, target_config)
+    init_weights(model, cfg.init, cfg.target, target_config, projection)
     head = load_frozen_head(cfg.target, dtype=proc.dtype).to(proc.device)
     vocab = loss_vocabulary(data, cfg.loss_vocab, text_config(target_config).vocab_size, proc.device)
     forward = Forward(head, proc, spec.block_size, cfg.ce_chunk, cfg.soft_labels, vocab)
@@ -131,7 +132,7 @@ def train(cfg: TrainConfig, drafter: DrafterConfig) -> dict:
     progress = resume(engine, ckpt_root, tag) if tag else Progress()
     last_saved = progress.global_step if tag else -1
     log = open_log(cfg, spec, proc, resume_step=progress.global_step if tag else 0)
-    save = partial(save_run, engine, ckpt_root, cfg, draft_config, proc.dtype)
+    save = partial(save_run, engine, ckpt_root, cfg, draft_config, proc.dtype, projection)
     evaluate = partial(evaluate_heldout, engine, forward, eval_data, heldout, cfg.eval_batches)
 
     engine.train()
@@ -417,19 +418,22 @@ def every(n: int, step: int) -> bool:
     return bool(n) and step % n == 0
 
 
-def save_run(engine, ckpt_root: Path, cfg: TrainConfig, draft_config, dtype: torch.dtype, progress: Progress) -> int:
-    """A checkpoint of the run as it stands, the drafter exported into it (all ranks); returns its step."""
+def save_run(
+    engine, ckpt_root: Path, cfg: TrainConfig, draft_config, dtype: torch.dtype, projection, progress: Progress
+) -> int:
+    """A checkpoint of the run as it stands, the drafter exported into it (all ranks; folded with the stores'
+    `projection` where they are projected); returns its step."""
     client_state = {**asdict(progress), "dtype": dtype_name(dtype), "train_config": asdict(cfg)}
-    export = partial(export_copies, engine, draft_config, dtype, cfg.drafter_dir)
+    export = partial(export_copies, engine, draft_config, dtype, cfg.drafter_dir, projection=projection)
     save_checkpoint(engine, ckpt_root, progress.global_step, client_state, export=export, keep=cfg.keep_checkpoints)
     return progress.global_step
 
 
-def export_copies(engine, draft_config, dtype: torch.dtype, copy_to: str | None, path: Path) -> None:
+def export_copies(engine, draft_config, dtype: torch.dtype, copy_to: str | None, path: Path, projection=None) -> None:
     """The drafter at `path` and at `copy_to`: every rank gathers the weights (a collective under ZeRO-3), rank 0
     writes."""
     state = gathered_state_dict(engine)
     if is_rank_zero():
-        export_drafter(DFlashDrafter, draft_config, state, path, dtype=dtype)
+        export_drafter(DFlashDrafter, draft_config, state, path, dtype=dtype, projection=projection)
         if copy_to:
-            export_drafter(DFlashDrafter, draft_config, state, Path(copy_to), dtype=dtype)
+            export_drafter(DFlashDrafter, draft_config, state, Path(copy_to), dtype=dtype, projection=projection)

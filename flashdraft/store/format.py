@@ -4,6 +4,8 @@ how features are encoded to their stored dtype and back.
 The features of all captured layers are one array, `features` [T, L * H], layer after layer in `layer_ids` order
 (columns j*H:(j+1)*H hold layer_ids[j]): uint16 holding bfloat16 bits | float16 | uint8 holding float8_e4m3fn
 bits (with a float32 scale per token and layer, `features_scale` [T, L]: value = fp8 * scale) | float32.
+A projected store (layout `project_dims` r > 0, `flashdraft.store.projection`) holds `features` [T, r] instead: the
+L layers' features times the store's basis P [L * H, r], with one fp8 scale a token ([T, 1]).
 
 Format 3: every array of a shard is ONE file, a Zarr v3 shard (sharding codec) covering all the shard's rows, made
 of inner chunks of `chunk_tokens` rows (the unit of a random read), each compressed (`codec`) and checksummed
@@ -49,10 +51,15 @@ def layer_key(layer_id: int) -> str:
     return f"layer_{int(layer_id):02d}"
 
 
-def bytes_per_token(num_layers: int, hidden_size: int, dtype: str, teacher_topk: int = 0) -> int:
-    """Uncompressed bytes one token costs: features (+ fp8 scales) + input id + loss mask (+ teacher top-k)."""
-    per_layer = hidden_size * DTYPES[dtype][1] + (4 if dtype == "float8_e4m3" else 0)
-    return num_layers * per_layer + 4 + 1 + 6 * teacher_topk
+def bytes_per_token(num_layers: int, hidden_size: int, dtype: str, teacher_topk: int = 0, project_dims: int = 0) -> int:
+    """Uncompressed bytes one token costs: features (+ fp8 scales) + input id + loss mask (+ teacher top-k).
+    `project_dims` r > 0: r projected features and one fp8 scale a token instead of the layers'."""
+    fp8 = dtype == "float8_e4m3"
+    if project_dims:
+        feats = project_dims * DTYPES[dtype][1] + (4 if fp8 else 0)
+    else:
+        feats = num_layers * (hidden_size * DTYPES[dtype][1] + (4 if fp8 else 0))
+    return feats + 4 + 1 + 6 * teacher_topk
 
 
 @dataclass(frozen=True)
@@ -65,6 +72,7 @@ class StoreLayout:
     chunk_tokens: int = 64  # inner chunk: the unit of a random read
     shard_tokens: int = 4096  # the write unit: rows buffered before their inner chunks are encoded and written
     teacher_topk: int = 0  # > 0: the target's top-k next-token log-probs per token (teacher_ids/teacher_logp)
+    project_dims: int = 0  # > 0: features projected to this many dims by the store's basis (`projection`)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -77,6 +85,21 @@ class StoreLayout:
             raise StoreError(f"shard_tokens {self.shard_tokens} is not a multiple of chunk_tokens {self.chunk_tokens}")
         if self.teacher_topk < 0:
             raise StoreError(f"teacher_topk must be >= 0, got {self.teacher_topk}")
+        if not 0 <= self.project_dims < len(self.layer_ids) * self.hidden_size:
+            raise StoreError(
+                f"project_dims must be 0 (raw features) or below the {len(self.layer_ids) * self.hidden_size} "
+                f"captured dims, got {self.project_dims}"
+            )
+
+    @property
+    def feature_dims(self) -> int:
+        """Columns of the `features` array: r where projected, else L * H."""
+        return self.project_dims or len(self.layer_ids) * self.hidden_size
+
+    @property
+    def scale_groups(self) -> int:
+        """fp8 scales a token: one a layer, or one where projected (the basis mixes the layers)."""
+        return 1 if self.project_dims else len(self.layer_ids)
 
     @classmethod
     def from_manifest(cls, manifest: dict) -> StoreLayout:
@@ -88,6 +111,8 @@ class StoreLayout:
         layout = {k: d[k] for k in ("codec", "clevel", "chunk_tokens", "shard_tokens")}
         if self.teacher_topk:  # absent when 0, so stores written before the option keep their layout identity
             layout["teacher_topk"] = self.teacher_topk
+        if self.project_dims:  # likewise
+            layout["project_dims"] = self.project_dims
         return {
             "layer_ids": list(self.layer_ids),
             "hidden_size": self.hidden_size,
@@ -101,14 +126,14 @@ class StoreLayout:
 
     def array_specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         """Every array of a shard: key -> (zarr dtype, shape of one row)."""
-        L, k = len(self.layer_ids), self.teacher_topk
+        k = self.teacher_topk
         specs = {
             "input_ids": ("int32", ()),
             "loss_mask": ("bool", ()),
-            FEATURES: (DTYPES[self.dtype][0], (L * self.hidden_size,)),
+            FEATURES: (DTYPES[self.dtype][0], (self.feature_dims,)),
         }
         if self.dtype == "float8_e4m3":
-            specs[FEATURE_SCALES] = ("float32", (L,))
+            specs[FEATURE_SCALES] = ("float32", (self.scale_groups,))
         if k:
             specs.update({"teacher_ids": ("int32", (k,)), "teacher_logp": ("float16", (k,))})
         return specs
@@ -197,7 +222,8 @@ def mask_runs(mask: np.ndarray) -> list[int]:
 
 
 def encode_features(x: torch.Tensor, num_layers: int, dtype: str) -> tuple[np.ndarray, np.ndarray | None]:
-    """[S, L * H] float tensor -> (stored [S, L * H], fp8 scales [S, L] (one a token and layer) or None)."""
+    """[S, L * H] float tensor -> (stored [S, L * H], fp8 scales [S, L] (one a token and layer) or None).
+    A projected store's [S, r] features pass `num_layers` 1: one scale a token."""
     if dtype == "bfloat16":
         return x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16), None
     if dtype == "float16":

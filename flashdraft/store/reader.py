@@ -17,6 +17,7 @@ from flashdraft.store.format import (
     decode_features,
     read_index,
 )
+from flashdraft.store.projection import load_projection
 
 INDEX_CACHE = 512  # shard indexes (array x shard) kept in memory: 16 bytes an inner chunk each
 
@@ -26,7 +27,7 @@ class StoredSequence:
     seq_id: str
     input_ids: np.ndarray  # int64 [S]
     loss_mask: np.ndarray  # bool [S]
-    features: torch.Tensor  # float32 [S, len(layers) * H]
+    features: torch.Tensor  # float32 [S, len(layers) * H] ([S, r] in a projected store)
     teacher_ids: np.ndarray | None = None  # int64 [S, k]: the target's top-k next tokens after each token
     teacher_logp: np.ndarray | None = None  # float32 [S, k]: their log-probabilities (-inf: not captured)
 
@@ -57,6 +58,8 @@ class StoreReader:
     per-sequence index of the loss masks' True runs, (sequence, start, end) arrays, read from the shards'
     attributes; None for a store written before shards kept it. `thinking` is each sequence's chat-template
     enable_thinking (True, False, or None: not recorded, as in a shard of a non-thinking target or an older one).
+    A projected store's basis is checked on open (its file's sha256 against the manifest's: a damaged one is
+    refused, naming the file); `projection_sha256` names it (None: raw features).
     """
 
     def __init__(self, path: str | Path):
@@ -66,6 +69,8 @@ class StoreReader:
         self.layer_ids = list(self.layout.layer_ids)
         self.hidden_size = self.layout.hidden_size
         self.dtype = self.layout.dtype
+        proj = load_projection(self.path, self.manifest)
+        self.projection_sha256 = proj.sha256 if proj is not None else None
         self._shards: list[_Shard] = []
         seq_ids, lengths, shard_of, index_in, spans, thinking = [], [], [], [], [], []
         for k, entry in enumerate(self.manifest["shards"]):
@@ -148,14 +153,29 @@ class StoreReader:
     def teacher_topk(self) -> int:
         return self.layout.teacher_topk
 
+    @property
+    def projected(self) -> bool:
+        return bool(self.layout.project_dims)
+
+    def projection(self):
+        """The store's basis (`flashdraft.store.projection.Projection`, checked again), None for raw features."""
+        return load_projection(self.path, self.manifest)
+
     def read(self, i: int, layers=None, teacher: bool = False, upcast: bool = True) -> StoredSequence:
         """Sequence i with the features of `layers` (default: all), and its teacher top-k if asked. Features are
-        float32, or with `upcast` False in the stored precision where torch has it (bf16, fp16: `decode_features`)."""
+        float32, or with `upcast` False in the stored precision where torch has it (bf16, fp16: `decode_features`).
+        A projected store has no features a layer: `layers` must be all of them, in order (its r columns come
+        back)."""
         if not -len(self) <= i < len(self):
             raise IndexError(f"sequence index {i} out of range for a store of {len(self)}")
         i = int(i) % len(self)
         layers = self.layer_ids if layers is None else [int(x) for x in layers]
         bad = [x for x in layers if x not in self.layer_ids]
+        if self.projected and layers != self.layer_ids:
+            raise StoreError(
+                f"{self.path} is a projected store ({self.layout.project_dims} dims mixing layers {self.layer_ids}): "
+                f"layers {layers} cannot be read from it apart; read all of them (or use a raw store)"
+            )
         if bad:
             raise StoreError(f"layers {bad} are not in this store (it holds {self.layer_ids})")
         if teacher and not self.teacher_topk:

@@ -27,6 +27,7 @@ from flashdraft.store.format import (
     mask_runs,
     read_index,
 )
+from flashdraft.store.projection import load_projection
 
 
 @dataclass
@@ -52,13 +53,14 @@ def verify_store(
 ) -> tuple[list[str], dict]:
     """Check a store end to end. Returns (problems, stats); no problems means the store is sound.
 
-    Manifest vs shards (listed shards exist, are complete and agree on counts), every data file present with
-    an intact index, every inner chunk readable (crc32c, decompression), offsets monotonic, features finite,
-    response spans equal to the loss mask, sequence ids unique. `part` (k, n) checks only every n-th listed shard
-    from the k-th, so that n processes share the work: each shard against its manifest entry, the entries against
-    the manifest's counts in part 0; sequence ids are then found unique within a part only. `sample` (fraction,
-    rng) reads that share of each array's inner chunks (at least one) instead of all of them, and skips the span
-    check (it needs the whole loss mask).
+        Manifest vs shards (listed shards exist, are complete and agree on counts), every data file present with
+        an intact index, every inner chunk readable (crc32c, decompression), offsets monotonic, features finite,
+        response spans equal to the loss mask, sequence ids unique, a projected store's basis hashing to its manifest's
+    sha256. `part` (k, n) checks only every n-th listed shard
+        from the k-th, so that n processes share the work: each shard against its manifest entry, the entries against
+        the manifest's counts in part 0; sequence ids are then found unique within a part only. `sample` (fraction,
+        rng) reads that share of each array's inner chunks (at least one) instead of all of them, and skips the span
+        check (it needs the whole loss mask).
     """
     from tqdm import tqdm
 
@@ -69,6 +71,11 @@ def verify_store(
         return [str(e)], {}
     check = _Check(Path(path), layout, sample)
     k, n = part
+    if k == 0:
+        try:  # a projected store's basis: present, and hashing to the manifest's sha256
+            load_projection(path, manifest)
+        except StoreError as e:
+            check.problems.append(str(e))
     shards = manifest["shards"][k::n]
     for entry in tqdm(shards, desc="verify", unit="shard", disable=not progress):
         _check_shard(check, entry)

@@ -164,7 +164,7 @@ class ShardWriter:
         feats = torch.as_tensor(features)
         teacher = self._check(seq_id, ids, mask, feats, teacher)
         rows = {"input_ids": ids.astype(np.int32), "loss_mask": mask}
-        rows[FEATURES], scale = encode_features(feats, len(self.layout.layer_ids), self.layout.dtype)
+        rows[FEATURES], scale = encode_features(feats, self.layout.scale_groups, self.layout.dtype)
         if scale is not None:
             rows[FEATURE_SCALES] = scale
         if teacher is not None:
@@ -205,10 +205,11 @@ class ShardWriter:
         S, n, H = len(ids), len(self.layout.layer_ids), self.layout.hidden_size
         if S == 0:
             raise StoreError(f"sequence {seq_id!r} is empty")
-        if mask.shape != (S,) or tuple(feats.shape) != (S, n * H):
+        if mask.shape != (S,) or tuple(feats.shape) != (S, self.layout.feature_dims):
+            width = f"{self.layout.project_dims} (projected)" if self.layout.project_dims else f"{n}*{H}"
             raise StoreError(
                 f"sequence {seq_id!r}: input_ids [{S}], loss_mask {list(mask.shape)}, features {list(feats.shape)}; "
-                f"expected loss_mask [{S}] and features [{S}, {n}*{H}]"
+                f"expected loss_mask [{S}] and features [{S}, {width}]"
             )
         if not torch.isfinite(feats).all():
             raise StoreError(f"sequence {seq_id!r}: features contain NaN or Inf")
@@ -340,12 +341,23 @@ class StoreWriter:
         chunk_tokens: int = 64,
         shard_tokens: int = 4096,
         teacher_topk: int = 0,
+        project_dims: int = 0,
         manifest_extra: dict | None = None,
     ):
+        """`project_dims` r > 0: a projected store (`flashdraft.store.projection`): its features [T, r], its basis
+        recorded in the manifest's `projection` entry by whoever fits it (`manifest_extra` may carry it)."""
         self.path = Path(path)
         ids = tuple(int(i) for i in layer_ids)
         self.layout = StoreLayout(
-            ids, int(hidden_size), dtype, codec, clevel, chunk_tokens, shard_tokens, int(teacher_topk)
+            ids,
+            int(hidden_size),
+            dtype,
+            codec,
+            clevel,
+            chunk_tokens,
+            shard_tokens,
+            int(teacher_topk),
+            int(project_dims),
         )
         fresh = self._fresh_manifest(dict(manifest_extra or {}))
         with manifest_lock(self.path):

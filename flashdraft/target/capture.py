@@ -24,11 +24,14 @@ class LayerTap:
     """Forward hooks on the chosen decoder layers while the `with` block runs.
 
     After a forward inside the block, `features()` is the concatenation [b, s, n*H] in `layer_ids` order, and
-    `final` (with `final=True`) the final-normed states the output head reads.
+    `final` (with `final=True`) the final-normed states the output head reads. With `project` (a store's basis,
+    `flashdraft.store.projection.Projection`, on the model's device) `features()` is the concatenation projected,
+    [b, s, r], computed where the layers' outputs are: only r columns a token leave the device.
     """
 
-    def __init__(self, model, layer_ids, final: bool = False):
+    def __init__(self, model, layer_ids, final: bool = False, project=None):
         self.base, self.layer_ids, self.want_final = _decoder(model), [int(i) for i in layer_ids], final
+        self.project = project
         self.n_layers = int(getattr(model.config, "num_hidden_layers", len(self.base.layers)))
         self.outputs: dict[int, torch.Tensor] = {}
         self.final: torch.Tensor | None = None
@@ -63,7 +66,7 @@ class LayerTap:
         last = self.n_layers - 1
         feats = torch.cat([self.final if i == last else self.outputs[i] for i in self.layer_ids], dim=-1)
         self.outputs.clear()
-        return feats
+        return feats if self.project is None else self.project.apply(feats)
 
 
 @torch.no_grad()
