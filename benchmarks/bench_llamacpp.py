@@ -25,7 +25,8 @@ and the parity check compares the two independent implementations:
     stretch both outputs agree on, they see the same context, so the same drafter must commit the same number of
     tokens; the count of such rounds and of those that match is printed. (The rounds do not line up from the start:
     the harness takes the first token from the prefill and drafts after it, llama.cpp drafts from the prompt's
-    last token.)
+    last token; docs/serving.md, "llama.cpp's rounds against ours". A run's last round may differ: the harness
+    stops at the token limit, llama.cpp once past it.)
 """
 
 from __future__ import annotations
@@ -194,7 +195,9 @@ def model_conf(name: str) -> tuple[str, dict]:
 def run_modes(tools, gguf, prompt_text: str, n_prompt: int, tmp: Path, args) -> dict:
     """Every mode of `args.modes` on one prompt: {mode: figures}; dflash once more with its round log."""
     prompt_file = tmp / "prompt.txt"
-    prompt_file.write_text(prompt_text)
+    # llama.cpp's -f drops one trailing newline of the file (common/arg.cpp), which is a token of its own in chat
+    # templates ending "assistant\n": one more keeps the prompt as rendered, so rounds start where the harness's do.
+    prompt_file.write_text(prompt_text + "\n")
     # llama-speculative-simple wants the whole prompt in one batch: raise the batch to fit, in steps of 64.
     run_args = argparse.Namespace(**vars(args), prompt_batch=max(args.batch, (n_prompt + 16 + 63) // 64 * 64))
     results = {}
