@@ -182,12 +182,7 @@ def estimate(
     while not path.exists():
         path = path.parent
     free = shutil.disk_usage(path).free
-    if layout.project_dims:
-        own_bytes = tokens * bytes_per_token(
-            len(layout.layer_ids), layout.hidden_size, layout.dtype, layout.teacher_topk, layout.project_dims
-        )
-    else:
-        own_bytes = by_dtype[layout.dtype]["bytes"]
+    own_bytes = tokens * bytes_per_token(L, H, layout.dtype, layout.teacher_topk, project_dims=layout.project_dims)
     return {
         "prompts": prompts,
         "mean_prompt_tokens": sum(r["prompts"] * r["prompt_tokens"] for r in rows) / max(1, prompts),

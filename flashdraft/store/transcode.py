@@ -15,7 +15,7 @@ basis (`train.eval_stores`: mixed kinds are refused), while the replay keeps rea
 from __future__ import annotations
 
 import shutil
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -102,19 +102,7 @@ def transcode(
     new_layout = replace(layout, dtype=dtype or layout.dtype, project_dims=proj.dims if proj is not None else 0)
     extra = {k: manifest.get(k) for k in PROVENANCE if k in manifest}
     extra["transcoded_from"] = {"path": str(src.resolve()), "dtype": layout.dtype, "tokens": manifest["counts"]}
-    writer = StoreWriter(
-        dst,
-        layer_ids=new_layout.layer_ids,
-        hidden_size=H,
-        dtype=new_layout.dtype,
-        codec=new_layout.codec,
-        clevel=new_layout.clevel,
-        chunk_tokens=new_layout.chunk_tokens,
-        shard_tokens=new_layout.shard_tokens,
-        teacher_topk=new_layout.teacher_topk,
-        project_dims=new_layout.project_dims,
-        manifest_extra=extra,
-    )
+    writer = StoreWriter(dst, manifest_extra=extra, **asdict(new_layout))  # every layout field, as the source's
     if proj is not None:
         if basis is not None:  # the same bytes, so the same sha256: stores of one basis train together
             shutil.copyfile(Path(basis) / PROJECTION_FILE, dst / PROJECTION_FILE)
