@@ -226,8 +226,9 @@ def train_drafter(cfg: Config) -> dict:
 
 def load_serving_target(cfg: Config):
     from flashdraft.target import load_target
+    from harness.__main__ import resolve_device  # the harness's reading of `device`, as `make eval` serves
 
-    device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
+    device = resolve_device(cfg.device)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(cfg.model.dtype)
     if dtype is None:
         raise GateRefused(f"the gate serves in float32 or bfloat16, got model.dtype={cfg.model.dtype}")
