@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
 
 from flashdraft.spec import TRAINED_THINKING_KEY
 from tests.test_speculative import one_thread, tiny_target  # noqa: F401 (one_thread: autouse fixture)
+from tests.test_thinking import QWEN3_TEMPLATE, bpe_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -21,32 +20,13 @@ import gate  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")  # the reference's own calls
 
-CHATML = (  # ChatML with Qwen3's generation prompt: with thinking off, an empty think block
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
-    "{%- endif %}"
-)
 PROMPTS = [f"Write function number {i} that adds {i} to x." for i in range(12)]
 
 
 def tiny_target_dir(folder: Path, arch: str) -> str:
     """A tiny random `arch` target (8 layers: 3 features read layers 1, 3, 5) with a small BPE tokenizer; the rows
     past the tokenizer's words are spare (the mask token is one)."""
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    bpe.train_from_iterator(["def solution(x):\n    return x + 1\n", *PROMPTS] * 20, trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHATML
-    )
+    tokenizer = bpe_tokenizer(PROMPTS, QWEN3_TEMPLATE)  # ChatML with Qwen3's generation prompt (empty think block)
     model = tiny_target(arch, vocab=320, layers=8)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     with torch.no_grad():

@@ -38,10 +38,9 @@ SHARE = 0.5
 PROMPTS = [f"Write a short story number {i} about a cat." for i in range(10)]
 
 
-@pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory):
-    """A tiny random Qwen3 (10 layers: the untrained drafter reads 5 distinct ones) with a Qwen3-style template."""
-    folder = tmp_path_factory.mktemp("tiny-qwen3")
+def bpe_tokenizer(texts, chat_template: str) -> PreTrainedTokenizerFast:
+    """A small byte-level BPE (300 words) trained on a line of code and `texts`, with ChatML's and Qwen3's think
+    specials, under `chat_template`."""
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
@@ -50,10 +49,17 @@ def qwen3_dir(tmp_path_factory):
         special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    bpe.train_from_iterator(["def solution(x):\n    return x + 1\n", *PROMPTS] * 20, trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=QWEN3_TEMPLATE
+    bpe.train_from_iterator(["def solution(x):\n    return x + 1\n", *texts] * 20, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=chat_template
     )
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    """A tiny random Qwen3 (10 layers: the untrained drafter reads 5 distinct ones) with a Qwen3-style template."""
+    folder = tmp_path_factory.mktemp("tiny-qwen3")
+    tokenizer = bpe_tokenizer(PROMPTS, QWEN3_TEMPLATE)
     model = tiny_target("qwen3", vocab=320, layers=10)  # spare rows past the tokenizer: the mask token's
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(folder)
