@@ -156,6 +156,7 @@ def save_checkpoint(engine, root: str | Path, step: int, client_state: dict, *, 
         (tmp_root / tag / CLIENT_STATE).write_text(json.dumps(client_state, indent=1, default=str) + "\n")
     if export is not None:
         export(tmp_root / tag / "drafter")
+    _barrier()  # every rank's writes done: rank 0's export renames folders that another rank's walk would meet
     fsync_tree(tmp_root / tag)  # each rank: the files it wrote are on disk before the checkpoint is named
     _barrier()
     final = root / tag
