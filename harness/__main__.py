@@ -34,6 +34,7 @@ from flashdraft.target import (
     make_verification_exact,
     resolve_dtype,
     resolve_exact,
+    resolved_thinking,
     stop_token_ids,
     target_fingerprint,
 )
@@ -178,7 +179,9 @@ def build(cfg: Config, exact: dict) -> Bench:
     modes = thinking_modes(
         thinking_setting(config.thinking, "eval.thinking", ("on", "off", "both")), chat.enable_thinking
     )
-    thinking_note = thinking_warning(drafter.config, modes) if proposer and not untrained else None
+    # the chat default (None) compared as the mode it renders in: Qwen3's template's default is thinking on
+    resolved_modes = [resolved_thinking(tokenizer, m) for m in modes]
+    thinking_note = thinking_warning(drafter.config, resolved_modes) if proposer and not untrained else None
     if thinking_note:
         print(f"warning: {thinking_note}", file=sys.stderr, flush=True)
     prompts = build_prompts(

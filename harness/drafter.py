@@ -55,9 +55,10 @@ def check_drafter_fits(drafter, target, path) -> None:
 
 def thinking_warning(drafter_config, modes) -> str | None:
     """A warning where the harness evaluates a thinking mode (`modes`: the enable_thinking values of the eval,
-    `harness.evaluate.thinking_modes`; None: the chat default, not compared) other than the one the drafter's
-    config.json records it was trained in (`flashdraft_trained_thinking`: "on" | "off"; "mixed" or unrecorded:
-    nothing to warn of). A drafter accepts well only in the modes it was trained on."""
+    `harness.evaluate.thinking_modes`, with the chat default resolved to the mode the template renders it in by
+    `flashdraft.target.resolved_thinking`; None: a template without thinking, not compared) other than the one the
+    drafter's config.json records it was trained in (`flashdraft_trained_thinking`: "on" | "off"; "mixed" or
+    unrecorded: nothing to warn of). A drafter accepts well only in the modes it was trained on."""
     trained = getattr(drafter_config, TRAINED_THINKING_KEY, None)
     if trained not in ("on", "off"):
         return None

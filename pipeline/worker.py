@@ -24,7 +24,14 @@ from flashdraft.store import ShardWriter, StoreLayout, read_manifest, shard_exis
 from flashdraft.store.files import shard_dir
 from flashdraft.store.projection import fit_projection, load_projection, save_projection
 from flashdraft.store.space import check_free_space
-from flashdraft.target import chat_text, load_target, resolve_dtype, stop_token_ids, template_takes_thinking
+from flashdraft.target import (
+    chat_text,
+    load_target,
+    resolve_dtype,
+    stop_token_ids,
+    template_default_thinking,
+    template_takes_thinking,
+)
 from flashdraft.target.memory import decode_rows, prefill_token_budget
 from pipeline.capture import Captured, capture, regenerate_stream, token_batches
 from pipeline.decode import ContinuousDecode
@@ -148,6 +155,8 @@ class CaptureWorker:
         self.stop_ids = stop_token_ids(self.model, self.tokenizer)
         # a template that does not take enable_thinking renders every prompt alike: no mode to record
         self.template_thinks = template_takes_thinking(self.tokenizer)
+        # the mode a prompt rendered with enable_thinking unset (the template's default) is in, read from the template
+        self.default_thinking = template_default_thinking(self.tokenizer)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (self.stop_ids[0] if self.stop_ids else 0)
         self.batch_size, self.prefill_tokens, lines = self.budgets()
@@ -236,8 +245,13 @@ class CaptureWorker:
         )
 
     def recorded_thinking(self, seq_id: str) -> bool | None:
-        """The mode a shard records for `seq_id`: what its template was given, None where the template ignores it."""
-        return self.s.thinking_for(seq_id) if self.template_thinks else None
+        """The mode a shard records for `seq_id`: what its template was given, or for nothing given the template's own
+        default (`template_default_thinking`: a capture in the chat default of Qwen3 records thinking on); None where
+        the template ignores it (or its default cannot be told)."""
+        if not self.template_thinks:
+            return None
+        mode = self.s.thinking_for(seq_id)
+        return self.default_thinking if mode is None else mode
 
     def _ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -3,6 +3,7 @@ sequence; the harness evaluates both modes and reports tau per mode. On a tiny r
 tokenizer and the generation-prompt part of Qwen3's chat template."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -10,9 +11,17 @@ from transformers import PreTrainedTokenizerFast
 
 from flashdraft.config import thinking_setting
 from flashdraft.prompts import thinking_of
+from flashdraft.spec import TRAINED_THINKING_KEY, DraftSpec
 from flashdraft.store import StoreReader, read_manifest, verify_store, write_store
-from flashdraft.target import chat_input_ids, load_tokenizer
+from flashdraft.target import (
+    chat_input_ids,
+    load_config,
+    load_tokenizer,
+    resolved_thinking,
+    template_default_thinking,
+)
 from harness.__main__ import run
+from harness.drafter import thinking_warning
 from harness.evaluate import build_prompts
 from pipeline.__main__ import thinking_settings
 from pipeline.job import load_records
@@ -34,6 +43,11 @@ QWEN3_TEMPLATE = (
     "{%- endif %}"
 )
 EMPTY_THINK = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+# a template whose default is thinking off: the empty think block unless enable_thinking is set true
+OFF_BY_DEFAULT_TEMPLATE = QWEN3_TEMPLATE.replace(
+    "enable_thinking is defined and enable_thinking is false", "not (enable_thinking is defined and enable_thinking)"
+)
+CHATML_TEMPLATE = QWEN3_TEMPLATE.split("{%- if enable_thinking")[0] + "{%- endif %}"
 SHARE = 0.5
 PROMPTS = [f"Write a short story number {i} about a cat." for i in range(10)]
 
@@ -162,3 +176,60 @@ def test_both_modes_with_second_turns_resume_by_mode_and_turn(qwen3_dir, tmp_pat
         [("humaneval", m, 1) for m in (False, True)] + [("mtbench", m, t) for m in (False, True) for t in (1, 2)]
     )
     assert run(eval_settings(over))["settings"]["resumed_prompts"] == 6
+
+
+def test_the_chat_default_resolves_to_the_mode_the_template_renders():
+    """A template's default thinking mode is read by rendering a probe with no enable_thinking and with each value:
+    Qwen3's (thinking on unless told off), one that thinks only when told, one that takes no enable_thinking."""
+    qwen3, off, chatml = (bpe_tokenizer(PROMPTS, t) for t in (QWEN3_TEMPLATE, OFF_BY_DEFAULT_TEMPLATE, CHATML_TEMPLATE))
+    assert [template_default_thinking(t) for t in (qwen3, off, chatml)] == [True, False, None]
+    assert [resolved_thinking(qwen3, m) for m in (None, True, False)] == [True, True, False]
+    assert [resolved_thinking(off, m) for m in (None, True, False)] == [False, True, False]
+    assert [resolved_thinking(chatml, m) for m in (None, True, False)] == [None, None, None]
+
+
+def test_a_capture_in_the_chat_default_records_the_templates_mode_and_the_harness_warns_on_the_other(
+    tmp_path, qwen3_dir
+):
+    """data.thinking unset on Qwen3's template (its default: thinking on): every sequence records thinking on (not
+    None), the drafter's config.json says "on", and the harness warns when it evaluates thinking off, not when it
+    evaluates the chat default (resolved: on); a drafter trained off is warned about under the chat default."""
+    from trainer.drafter import trained_thinking
+
+    write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in PROMPTS[:3]])
+    records, _ = load_records([str(tmp_path / "p.jsonl")], split=None)
+    fleet_run(tmp_path / "s", qwen3_dir, records, max_new_tokens=4)  # enable_thinking None, no share: the default
+    store, tok = StoreReader(tmp_path / "s"), load_tokenizer(qwen3_dir)
+    assert store.thinking == [True] * 3
+    prompt = store.read(0).input_ids[~store.read(0).loss_mask].tolist()
+    assert tok.decode(prompt, skip_special_tokens=False).endswith("<|im_start|>assistant\n")  # rendered as default
+
+    # the trainer's record (trainer/train.py: trained_thinking of the training sequences' modes) in config.json
+    from flashdraft.model import DFlashDrafter
+
+    config = DraftSpec((1, 3, 5), 300, 4, 1).draft_config(load_config(qwen3_dir))
+    setattr(config, TRAINED_THINKING_KEY, trained_thinking(store.thinking))
+    DFlashDrafter(config).save_pretrained(tmp_path / "drafter")
+    assert json.loads((tmp_path / "drafter" / "config.json").read_text())[TRAINED_THINKING_KEY] == "on"
+
+    def warning(drafter, *extra):
+        over = overrides(
+            qwen3_dir,
+            tmp_path / "eval",
+            f"eval.drafter={drafter}",
+            "eval.methods=[dflash]",
+            "eval.limit=1",
+            "eval.turns=single",
+            "eval.prompts=[humaneval]",
+            "eval.max_new_tokens=4",
+            "eval.resume=false",
+            *extra,
+        )
+        return run(eval_settings(over))["settings"]["thinking_warning"]
+
+    assert "evaluated with thinking off" in warning(tmp_path / "drafter", "eval.thinking=off")
+    assert warning(tmp_path / "drafter") is None  # the chat default is thinking on, as trained
+    off = json.loads((tmp_path / "drafter" / "config.json").read_text()) | {TRAINED_THINKING_KEY: "off"}
+    (tmp_path / "drafter" / "config.json").write_text(json.dumps(off))
+    assert "evaluated with thinking on" in warning(tmp_path / "drafter")
+    assert "evaluated with thinking on" in thinking_warning(SimpleNamespace(**off), [resolved_thinking(tok, None)])

@@ -9,7 +9,9 @@ from flashdraft.target.chat import (
     chat_text,
     choose_mask_token,
     mask_token_string,
+    resolved_thinking,
     stop_token_ids,
+    template_default_thinking,
     template_takes_thinking,
 )
 from flashdraft.target.cpu import cpu_bf16_gemm_speedup, cpu_has_bf16_tiles, cpu_has_fast_bf16, resolve_dtype
@@ -50,6 +52,8 @@ __all__ = [
     "chat_template_hash",
     "chat_text",
     "template_takes_thinking",
+    "template_default_thinking",
+    "resolved_thinking",
     "choose_mask_token",
     "mask_token_string",
     "cpu_bf16_gemm_speedup",

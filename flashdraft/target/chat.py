@@ -17,6 +17,37 @@ def template_takes_thinking(tokenizer) -> bool:
     return "enable_thinking" in str(getattr(tokenizer, "chat_template", "") or "")
 
 
+# a conversation the template's default thinking mode is read from: its generation prompt is where templates that
+# take enable_thinking (Qwen3's) differ between the modes
+THINKING_PROBE = [{"role": "user", "content": "Say hello."}]
+
+
+def template_default_thinking(tokenizer) -> bool | None:
+    """The enable_thinking a chat template renders with when none is given: True or False where the probe
+    conversation rendered without the kwarg equals its rendering with exactly one of them (Qwen3's template: thinking
+    on), None where the template does not take enable_thinking or the probe cannot tell (both, or neither)."""
+    if not template_takes_thinking(tokenizer):
+        return None
+
+    def render(**kwargs) -> str:
+        return tokenizer.apply_chat_template(THINKING_PROBE, tokenize=False, add_generation_prompt=True, **kwargs)
+
+    try:
+        default = render()
+        same = [mode for mode in (True, False) if render(enable_thinking=mode) == default]
+    except Exception:  # a template that refuses the probe (e.g. wants a system turn first): its default is unknown
+        return None
+    return same[0] if len(same) == 1 else None
+
+
+def resolved_thinking(tokenizer, enable_thinking: bool | None) -> bool | None:
+    """The thinking mode a prompt rendered with `enable_thinking` is in: the value given, on a template that takes it;
+    for None, the template's own default (`template_default_thinking`); None for a template without thinking."""
+    if not template_takes_thinking(tokenizer):
+        return None
+    return bool(enable_thinking) if enable_thinking is not None else template_default_thinking(tokenizer)
+
+
 def chat_text(
     tokenizer,
     messages: list[dict],
