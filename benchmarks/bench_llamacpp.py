@@ -40,6 +40,17 @@ import tempfile
 from pathlib import Path
 
 import llamacpp
+from llamacpp import (  # shared with the gate's llama.cpp leg (benchmarks/gate.py); the names stay importable here
+    SPEC_COUNT,  # noqa: F401
+    SPEC_DECODED,  # noqa: F401
+    SPEC_ROUND,  # noqa: F401
+    common_flags,
+    common_prefix,
+    round_parity,
+    round_starts,  # noqa: F401
+    run_speculative,
+    write_prompt_file,
+)
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
@@ -48,17 +59,6 @@ from flashdraft.config import ChatConfig
 from flashdraft.prompts import load_prompts
 
 PLAIN_EVAL = re.compile(r"eval time =\s*([\d.]+) ms /\s*(\d+) runs")
-SPEC_DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
-SPEC_COUNT = re.compile(r"^.*\b(n_predict|n_drafted|n_accept)\s*=\s*(\d+)", re.MULTILINE)
-
-
-def common_flags(args) -> list[str]:
-    """Flags every mode gets, so the rows differ only in how tokens are drafted."""
-    flags = ["-n", str(args.max_new_tokens), "--temp", "0", "--top-k", "1", "-t", str(args.threads)]
-    # The default batch (2048) made llama-speculative-simple several times slower per step than with 256 here, and
-    # its draft-dflash path with flash attention off slower still: batch and flash attention are set for every mode.
-    flags += ["-c", str(args.ctx_size), "-b", str(args.prompt_batch), "-ub", str(args.prompt_batch)]
-    return flags + ["-fa", args.flash_attn]
 
 
 def run_plain(tools: dict, target_gguf: Path, prompt_file: Path, args) -> dict:
@@ -79,71 +79,6 @@ def run_plain(tools: dict, target_gguf: Path, prompt_file: Path, args) -> dict:
         "seconds": float(ms) / 1000,
         "tokens_per_s": int(runs) / (float(ms) / 1000),
     }
-
-
-SPEC_ROUND = re.compile(r"accepted (\d+)/(\d+) draft tokens")
-
-
-def run_speculative(tools: dict, gguf: dict, prompt_file: Path, spec_type: str, args, prompt_text: str) -> dict:
-    """One llama-speculative-simple run; with `args.rounds_log` its debug log gives committed tokens per round."""
-    cmd = [str(tools["llama-speculative-simple"]), "-m", str(gguf["target"]), "-f", str(prompt_file)]
-    cmd += common_flags(args)
-    cmd += ["--spec-type", spec_type]
-    if spec_type.startswith("draft-"):
-        cmd += ["-md", str(gguf["drafter"]), "--spec-draft-n-max", str(args.draft_n_max)]
-    if getattr(args, "rounds_log", False):
-        cmd += ["-v"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
-    tokens, seconds = SPEC_DECODED.search(proc.stderr).groups()
-    counts = {name: int(value) for name, value in SPEC_COUNT.findall(proc.stderr)}
-    # Each round commits its accepted drafts plus one target token, so rounds = n_predict - n_accept.
-    rounds = counts["n_predict"] - counts["n_accept"]
-    # The tool echoes the prompt before the generated text, after two blank lines.
-    text = proc.stdout.lstrip("\n")
-    text = text[len(prompt_text) :] if text.startswith(prompt_text) else text
-    result = {
-        "text": text.rstrip("\n"),
-        "tokens": counts["n_predict"],
-        "seconds": float(seconds),
-        "tokens_per_s": int(tokens) / float(seconds),
-        "rounds": rounds,
-        "accepted": counts["n_accept"],
-        "drafted": counts["n_drafted"],
-    }
-    if getattr(args, "rounds_log", False):
-        result["round_lengths"] = [int(a) + 1 for a, _ in SPEC_ROUND.findall(proc.stderr)]
-    return result
-
-
-def common_prefix(a, b) -> int:
-    """Items of `a` and `b` that agree from the start (the runs stop at different lengths: compare the shorter)."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def round_starts(lengths, first: int) -> dict[int, int]:
-    """{position of a round's first token in the output: tokens it committed}, rounds starting at `first`."""
-    starts, pos = {}, first
-    for length in lengths:
-        starts[pos] = length
-        pos += length
-    return starts
-
-
-def round_parity(harness_lengths, llama_lengths, agree: int) -> tuple[int, int]:
-    """(rounds of both that start at the same position and end within the `agree` tokens both outputs share,
-    how many of them committed the same number of tokens). The harness's rounds start after the prefill's token
-    (position 1), llama.cpp's at position 0."""
-    ours = round_starts(harness_lengths, 1)
-    theirs = round_starts(llama_lengths, 0)
-    shared = [p for p in ours if p in theirs and p + min(ours[p], theirs[p]) <= agree]
-    return len(shared), sum(ours[p] == theirs[p] for p in shared)
 
 
 def harness_runs(args, records) -> dict[tuple[str, str], dict]:
@@ -194,10 +129,7 @@ def model_conf(name: str) -> tuple[str, dict]:
 
 def run_modes(tools, gguf, prompt_text: str, n_prompt: int, tmp: Path, args) -> dict:
     """Every mode of `args.modes` on one prompt: {mode: figures}; dflash once more with its round log."""
-    prompt_file = tmp / "prompt.txt"
-    # llama.cpp's -f drops one trailing newline of the file (common/arg.cpp), which is a token of its own in chat
-    # templates ending "assistant\n": one more keeps the prompt as rendered, so rounds start where the harness's do.
-    prompt_file.write_text(prompt_text + "\n")
+    prompt_file = write_prompt_file(tmp / "prompt.txt", prompt_text)  # `prompt_text + "\n"`: -f drops one
     # llama-speculative-simple wants the whole prompt in one batch: raise the batch to fit, in steps of 64.
     run_args = argparse.Namespace(**vars(args), prompt_batch=max(args.batch, (n_prompt + 16 + 63) // 64 * 64))
     results = {}

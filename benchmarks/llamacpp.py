@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -171,6 +172,138 @@ def export_gguf(drafter, target: str, out_dir=None, outtype: str = "f32", force:
     if force or not _newer(paths["drafter"], drafter, target_dir):
         convert(drafter, paths["drafter"], outtype, target_dir=target_dir)
     return paths
+
+
+# --- serving: llama-speculative-simple, its round log, parity with the harness's rounds -------------
+
+
+SPEC_DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
+SPEC_COUNT = re.compile(r"^.*\b(n_predict|n_drafted|n_accept)\s*=\s*(\d+)", re.MULTILINE)
+SPEC_ENCODED = re.compile(r"encoded\s+(\d+) tokens in")
+
+
+def common_flags(args) -> list[str]:
+    """Flags every mode gets, so the rows differ only in how tokens are drafted."""
+    flags = ["-n", str(args.max_new_tokens), "--temp", "0", "--top-k", "1", "-t", str(args.threads)]
+    # The default batch (2048) made llama-speculative-simple several times slower per step than with 256 here, and
+    # its draft-dflash path with flash attention off slower still: batch and flash attention are set for every mode.
+    flags += ["-c", str(args.ctx_size), "-b", str(args.prompt_batch), "-ub", str(args.prompt_batch)]
+    return flags + ["-fa", args.flash_attn]
+
+
+SPEC_ROUND = re.compile(r"accepted (\d+)/(\d+) draft tokens")
+# the debug log (-v) of a draft-dflash run, in order: each drafted position's candidates (common/speculative.cpp:
+# `draft candidate K, pos P: ID (prob) 'piece'`, K = 0 the one drafted), then the round's verification
+# (speculative-simple.cpp: `accepted A/D draft tokens, the last target token is: (ID)`)
+SPEC_EVENT = re.compile(
+    r"draft candidate\s+(\d+), pos\s+(\d+):\s+(-?\d+) \("
+    r"|accepted (\d+)/(\d+) draft tokens, the last target token is: \((-?\d+)\)"
+)
+
+
+def write_prompt_file(path: Path, prompt_text: str) -> Path:
+    """The prompt file for `-f`: llama.cpp's -f drops one trailing newline of the file (common/arg.cpp), which is a
+    token of its own in chat templates ending "assistant\n": one more keeps the prompt as rendered, so rounds start
+    where the harness's do."""
+    Path(path).write_text(prompt_text + "\n")
+    return Path(path)
+
+
+def spec_rounds(log: str) -> list[dict]:
+    """Each round of a draft-dflash run's debug log: {"drafts": the drafted token ids, "committed": the ids it
+    committed (its accepted drafts, then the target's own token)}. A round that reached an end-of-generation token
+    commits up to it (the loop stops there; its `accepted` count also counts drafts after it): cut with
+    `cut_at_stop`."""
+    rounds, drafts = [], {}
+    for m in SPEC_EVENT.finditer(log):
+        if m.group(1) is not None:
+            if int(m.group(1)) == 0:
+                drafts[int(m.group(2))] = int(m.group(3))
+            continue
+        accepted, last = int(m.group(4)), int(m.group(6))
+        drafted = [drafts[k] for k in sorted(drafts)]
+        if accepted > len(drafted):
+            raise ValueError(f"the log accepts {accepted} drafts of a round whose log drafted {len(drafted)}")
+        rounds.append({"drafts": drafted, "committed": [*drafted[:accepted], last]})
+        drafts = {}
+    return rounds
+
+
+def cut_at_stop(rounds: list[dict], stop_ids) -> list[dict]:
+    """`rounds` (`spec_rounds`) up to the first stop token, that round's committed tokens cut after it: what the
+    loop emitted (speculative-simple.cpp stops at an end-of-generation token, the rest of its round dropped)."""
+    stop, out = set(stop_ids), []
+    for r in rounds:
+        hit = next((i for i, t in enumerate(r["committed"]) if t in stop), None)
+        out.append(r if hit is None else {**r, "committed": r["committed"][: hit + 1]})
+        if hit is not None:
+            break
+    return out
+
+
+def run_speculative(tools: dict, gguf: dict, prompt_file: Path, spec_type: str, args, prompt_text: str) -> dict:
+    """One llama-speculative-simple run; with `args.rounds_log` its debug log gives committed tokens per round."""
+    cmd = [str(tools["llama-speculative-simple"]), "-m", str(gguf["target"]), "-f", str(prompt_file)]
+    cmd += common_flags(args)
+    cmd += ["--spec-type", spec_type]
+    if spec_type.startswith("draft-"):
+        cmd += ["-md", str(gguf["drafter"]), "--spec-draft-n-max", str(args.draft_n_max)]
+    if getattr(args, "rounds_log", False):
+        cmd += ["-v"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+    tokens, seconds = SPEC_DECODED.search(proc.stderr).groups()
+    counts = {name: int(value) for name, value in SPEC_COUNT.findall(proc.stderr)}
+    # Each round commits its accepted drafts plus one target token, so rounds = n_predict - n_accept.
+    rounds = counts["n_predict"] - counts["n_accept"]
+    # The tool echoes the prompt before the generated text, after two blank lines.
+    text = proc.stdout.lstrip("\n")
+    text = text[len(prompt_text) :] if text.startswith(prompt_text) else text
+    result = {
+        "text": text.rstrip("\n"),
+        "tokens": counts["n_predict"],
+        "seconds": float(seconds),
+        "tokens_per_s": int(tokens) / float(seconds),
+        "rounds": rounds,
+        "accepted": counts["n_accept"],
+        "drafted": counts["n_drafted"],
+    }
+    if encoded := SPEC_ENCODED.search(proc.stderr):
+        result["prompt_tokens"] = int(encoded.group(1))  # as llama.cpp tokenized the prompt file
+    if getattr(args, "rounds_log", False):
+        result["round_lengths"] = [int(a) + 1 for a, _ in SPEC_ROUND.findall(proc.stderr)]
+        result["round_log"] = spec_rounds(proc.stderr)
+    return result
+
+
+def common_prefix(a, b) -> int:
+    """Items of `a` and `b` that agree from the start (the runs stop at different lengths: compare the shorter)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def round_starts(lengths, first: int) -> dict[int, int]:
+    """{position of a round's first token in the output: tokens it committed}, rounds starting at `first`."""
+    starts, pos = {}, first
+    for length in lengths:
+        starts[pos] = length
+        pos += length
+    return starts
+
+
+def round_parity(harness_lengths, llama_lengths, agree: int, llama_first: int = 0) -> tuple[int, int]:
+    """(rounds of both that start at the same position and end within the `agree` tokens both outputs share,
+    how many of them committed the same number of tokens). The harness's rounds start after the prefill's token
+    (position 1), llama.cpp's at position 0 (`llama_first`: 1 where its prompt held the first generated token)."""
+    ours = round_starts(harness_lengths, 1)
+    theirs = round_starts(llama_lengths, llama_first)
+    shared = [p for p in ours if p in theirs and p + min(ours[p], theirs[p]) <= agree]
+    return len(shared), sum(ours[p] == theirs[p] for p in shared)
 
 
 def main() -> None:

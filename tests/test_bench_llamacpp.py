@@ -42,3 +42,36 @@ def test_round_parity_compares_rounds_that_start_together():
     assert bench.round_parity(harness, llama, agree=9) == (2, 1)
     # a round that reaches past the agreeing stretch is not compared
     assert bench.round_parity(harness, llama, agree=7) == (1, 1)
+
+
+# a draft-dflash debug log as llama.cpp writes it (-v): each drafted position's top candidates, then the round's
+# verification; a piece may itself be a newline
+DRAFT_LOG = """
+ - seq_id 0, draft candidate   0, pos   0:     11 (   0.990) 'a'
+ - seq_id 0, draft candidate   1, pos   0:     12 (   0.010) 'b'
+ - seq_id 0, draft candidate   0, pos   1:    198 (   0.970) '
+'
+ - seq_id 0, draft candidate   1, pos   1:     13 (   0.020) 'c'
+ - seq_id 0, draft candidate   0, pos   2:     14 (   0.900) 'd'
+accepted 2/3 draft tokens, the last target token is: (15)
+clear kv cache from any extra tokens, n_past = 57
+ - seq_id 0, draft candidate   0, pos   0:     16 (   0.990) 'e'
+ - seq_id 0, draft candidate   0, pos   1:      2 (   0.990) '<|im_end|>'
+ - seq_id 0, draft candidate   0, pos   2:     17 (   0.990) 'f'
+accepted 3/3 draft tokens, the last target token is: (18)
+"""
+
+
+def test_round_log_gives_each_rounds_drafts_and_committed_tokens():
+    import llamacpp
+
+    rounds = llamacpp.spec_rounds(DRAFT_LOG)
+    assert rounds == [
+        {"drafts": [11, 198, 14], "committed": [11, 198, 15]},
+        {"drafts": [16, 2, 17], "committed": [16, 2, 17, 18]},
+    ]
+    assert [len(r["committed"]) for r in rounds] == [int(a) + 1 for a, _ in bench.SPEC_ROUND.findall(DRAFT_LOG)]
+    # the loop stops at an end-of-generation token: what it emitted of that round ends there
+    assert llamacpp.cut_at_stop(rounds, [2])[1]["committed"] == [16, 2]
+    assert llamacpp.cut_at_stop(rounds, [11]) == [{"drafts": [11, 198, 14], "committed": [11]}]
+    assert llamacpp.cut_at_stop(rounds, []) == rounds
