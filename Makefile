@@ -80,9 +80,11 @@ eval: setup
 
 # The overfit gate (benchmarks/gate.py, issue #48): capture gate.sequences prompts in-process, train a drafter on them
 # until its training tau nears the block size, export it, serve those prompts greedily in each engine of ENGINES
-# (harness, reference; llamacpp is refused unless a cached build exists); each must commit >= gate.threshold x block
-# size tokens a round, else it prints the first short round and exits 1. ARGS="gate.plant=labels+1" (or layers-1)
-# plants a known mismatch, which must fail it.  make gate ARGS="drafter.num_layers=2"
+# (harness, reference, llamacpp: the drafter and target as GGUF through llama-speculative-simple's draft-dflash, where
+# `make llamacpp` has cached a build, refused otherwise; its rounds are also set against the harness's); each must
+# commit >= gate.threshold x block size tokens a round, else it prints the first short round and exits 1.
+# ARGS="gate.plant=labels+1" (or layers-1) plants a known mismatch, which must fail it.
+#   make gate ARGS="drafter.num_layers=2"      make gate ENGINES=harness,reference,llamacpp ARGS="drafter.num_layers=2"
 ENGINES ?= harness,reference
 gate: setup
 	$(PY) benchmarks/gate.py model=$(MODEL) 'gate.engines=[$(ENGINES)]' $(ARGS)

@@ -1,8 +1,8 @@
 """The overfit gate (issue #48): a drafter trained to near-certainty on a few sequences must be served at near the
-block size, in our harness and in the reference `dflash` package's loop. Nothing finds a train/serve mismatch (a
-label offset, a context mask, a layer-id offset, a config key an engine reads otherwise) faster.
+block size, in our harness, in the reference `dflash` package's loop and in llama.cpp. Nothing finds a train/serve
+mismatch (a label offset, a context mask, a layer-id offset, a config key an engine reads otherwise) faster.
 
-    make gate [ARGS="drafter.num_layers=2 gate.plant=labels+1"] [ENGINES=harness,reference]
+    make gate [ARGS="drafter.num_layers=2 gate.plant=labels+1"] [ENGINES=harness,reference,llamacpp]
     .venv/bin/python benchmarks/gate.py [hydra overrides, e.g. model=... gate.sequences=4 gate.engines=[harness]]
 
 1. capture `gate.sequences` prompts of data.sources (the train split) with their greedy responses of
@@ -11,12 +11,23 @@ label offset, a context mask, a layer-id offset, a config key an engine reads ot
    training tau reaches `gate.train_tau` x block size (train.stop_tau) on `gate.stable_steps` steps in a row
    (train.stop_steps), at most `gate.max_steps` steps; the trainer exports it in the published format;
 3. serve those prompts greedily from that folder in each engine of `gate.engines`: `harness` (our loop,
-   harness/speculative.py) and `reference` (`dflash.model.dflash_generate` with the package's own drafter class);
-   each must commit at least `gate.threshold` x block size tokens a round (its tau). `llamacpp` is refused by name:
-   the gate does not build llama.cpp, and its leg is issue #48 point 2.
+   harness/speculative.py), `reference` (`dflash.model.dflash_generate` with the package's own drafter class) and
+   `llamacpp` (the folder and the target converted to f32 GGUF by llama.cpp's own converter into `gate.out_dir`/gguf,
+   each prompt's tokens as text through `llama-speculative-simple --spec-type draft-dflash`, greedy; its rounds,
+   drafts and committed tokens read from its debug log, benchmarks/llamacpp.py). `llamacpp` needs a cached build
+   (`make llamacpp`): the gate does not build one and refuses the engine by name without it. Each engine must commit
+   at least `gate.threshold` x block size tokens a round (its tau). llama.cpp's first round drafts from the prompt's
+   last token and commits the first generated token (the others take it from the prefill): one round more a prompt;
+   its rounds are cut at the gate's token budget as the harness's loop cuts its own.
 
 It prints the training figures, tau per engine and, for an engine that falls short, the first round that did: the
-sequence, the round, its positions, the drafted tokens against the committed ones. Exit 0: passed; 1: failed;
+sequence, the round, its positions, the drafted tokens against the committed ones. With harness and llamacpp both
+served it sets their rounds against each other one by one (aligned by the output position of a round's first
+committed token, on the stretch both outputs agree: `llamacpp.round_parity`) and prints the count of aligned rounds,
+of those committing the same count and of those drafting the same tokens, with the first few that differ; then again
+with llama.cpp serving each prompt with the harness's first generated token appended, so that its rounds are anchored
+where ours are (`anchored_llamacpp`; as served, a near-certain drafter's llama.cpp rounds start one token before ours
+throughout: docs/serving.md, "llama.cpp's rounds against ours"). Exit 0: passed; 1: failed;
 2: refused (an engine or a setting it cannot run). `gate.plant` puts a known mismatch in, to see it fail:
 labels+1 trains each block position on the token after its own; layers-1 serves the drafter with every target layer
 id one lower than it was trained on (the embedded default still passes that one: docs/serving.md). Everything goes
@@ -30,6 +41,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -53,7 +65,6 @@ GATE_OVERRIDES = [  # before the user's overrides, which win
     "train.token_budget=8192",
     "train.wandb.mode=disabled",
 ]
-LLAMACPP_NOTE = "issue #48 point 2"
 
 
 class GateRefused(ValueError):
@@ -69,6 +80,9 @@ class Leg:
     drafts: list[list[list[int]]] = field(default_factory=list)  # drafted tokens a round, per sequence
     outputs: list[list[int]] = field(default_factory=list)  # generated tokens, per sequence
     seconds: float = 0.0
+    # where a sequence's first round places its block[0] (the anchor), from the first generated token: 0 where the
+    # prefill gives that token (harness, reference), -1 where the first round drafts from the prompt's last (llama.cpp)
+    first_anchor: int = 0
 
     @property
     def tau(self) -> float:
@@ -129,10 +143,6 @@ def check_engines(engines) -> list[str]:
                 f"engine llamacpp refused: no cached llama.cpp build ({tool} is missing) and the gate does not build "
                 "it; run `make llamacpp` where a package index is reachable, or leave llamacpp out of ENGINES"
             )
-        raise GateRefused(
-            f"engine llamacpp refused: llama.cpp is built ({tool}), but its leg of the gate is not wired yet "
-            f"({LLAMACPP_NOTE}); serve the gate drafter with `make bench-llamacpp DRAFTER=<gate.out_dir>/drafter`"
-        )
     return engines
 
 
@@ -306,7 +316,147 @@ def serve_reference(target, drafter_dir: Path, prompts, max_new_tokens: int, sto
     return leg
 
 
-SERVERS = {"harness": serve_harness, "reference": serve_reference}
+def llamacpp_leg(logs: list[list[dict]], max_new_tokens: int, stop, seconds: float = 0.0) -> Leg:
+    """The Leg of llama.cpp's rounds (`llamacpp.spec_rounds` of each sequence's debug log): each round's drafts and
+    committed tokens, up to a stop token (`llamacpp.cut_at_stop`) and the gate's token budget. The budget cuts as the
+    harness's loop does (its last round commits what is left): llama.cpp's loop stops only once past `-n` tokens.
+    Its first round drafts from the prompt's last token (first_anchor -1) and commits the first generated token,
+    which the harness and the reference take from the prefill: one round more, its rounds one token later."""
+    from llamacpp import cut_at_stop
+
+    leg = Leg("llamacpp", first_anchor=-1, seconds=seconds)
+    for log in logs:
+        rounds, drafts, output = [], [], []
+        for r in cut_at_stop(log, stop):
+            take = r["committed"][: max_new_tokens - len(output)]
+            if not take:
+                break
+            rounds.append(len(take))
+            drafts.append(r["drafts"])
+            output += take
+        leg.rounds.append(rounds)
+        leg.drafts.append(drafts)
+        leg.outputs.append(output)
+    return leg
+
+
+def serve_llamacpp(
+    target, drafter_dir: Path, prompts, max_new_tokens: int, stop, *, tokenizer, target_name: str, gguf_dir: Path
+) -> Leg:
+    """The prompts greedily through llama.cpp's `llama-speculative-simple --spec-type draft-dflash` with the served
+    drafter and the target as f32 GGUF (`llamacpp.export_gguf`, llama.cpp's own converter): each prompt's token ids as
+    text (checked to tokenize back to them, here and in llama.cpp's `encoded N tokens`), its rounds, drafts and
+    committed tokens from the debug log (`llamacpp.run_speculative` with `rounds_log`)."""
+    import argparse
+
+    import llamacpp
+
+    gguf = llamacpp.export_gguf(drafter_dir, target_name, gguf_dir)  # `target` is served in torch: its name converts
+    block = json.loads((Path(drafter_dir) / "config.json").read_text()).get("block_size", 16)
+    tools = {"llama-speculative-simple": llamacpp.tool_path("llama-speculative-simple")}
+    logs, t0 = [], time.perf_counter()
+    for s, prompt in enumerate(prompts):
+        text = tokenizer.decode(prompt, skip_special_tokens=False)
+        if tokenizer(text, add_special_tokens=False).input_ids != list(prompt):
+            raise RuntimeError(
+                f"gate prompt {s} does not tokenize back to its ids from its text: llama.cpp cannot take it"
+            )
+        args = argparse.Namespace(
+            max_new_tokens=max_new_tokens,
+            threads=max(1, torch.get_num_threads()),
+            ctx_size=max(2048, len(prompt) + max_new_tokens + 2 * block),
+            prompt_batch=max(256, (len(prompt) + 16 + 63) // 64 * 64),  # the whole prompt in one batch
+            flash_attn="on",
+            draft_n_max=block - 1,
+            rounds_log=True,
+        )
+        with tempfile.TemporaryDirectory(prefix="gate-llamacpp-") as tmp:
+            prompt_file = llamacpp.write_prompt_file(Path(tmp) / "prompt.txt", text)
+            run = llamacpp.run_speculative(tools, gguf, prompt_file, "draft-dflash", args, text)
+        if run.get("prompt_tokens") != len(prompt):
+            raise RuntimeError(
+                f"llama.cpp encoded gate prompt {s} as {run.get('prompt_tokens')} tokens, the gate's has {len(prompt)}"
+            )
+        logs.append(run["round_log"])
+    return llamacpp_leg(logs, max_new_tokens, stop, time.perf_counter() - t0)
+
+
+SERVERS = {"harness": serve_harness, "reference": serve_reference, "llamacpp": serve_llamacpp}
+
+
+def rounds_against_harness(harness: Leg, llama: Leg, llama_first: int = 0) -> dict:
+    """llama.cpp's rounds set against the harness's one by one (`llamacpp.round_parity`: rounds aligned by the output
+    position of their first committed token, within the stretch both outputs agree on; `llama_first`: the output
+    position of llama.cpp's first round's first token, 1 in the anchored run): per sequence and in all, aligned rounds,
+    those committing the same count and those drafting the same tokens (over the positions both drafted), and each
+    aligned round that differs in either, with both sides' drafts."""
+    from llamacpp import common_prefix, round_parity, round_starts
+
+    out = {"aligned": 0, "equal": 0, "equal_drafts": 0, "per_sequence": [], "unequal": []}
+    for s, (ours, theirs) in enumerate(zip(harness.rounds, llama.rounds)):
+        agree = common_prefix(harness.outputs[s], llama.outputs[s])
+        aligned, equal = round_parity(ours, theirs, agree, llama_first)
+        index_ours = {p: r for r, p in enumerate(round_starts(ours, 1))}
+        index_theirs = {p: r for r, p in enumerate(round_starts(theirs, llama_first))}
+        same_drafts = 0
+        for p, r in index_ours.items():
+            q = index_theirs.get(p)
+            if q is None or p + min(ours[r], theirs[q]) > agree:
+                continue
+            d_ours = harness.drafts[s][r] if r < len(harness.drafts[s]) else []
+            d_theirs = llama.drafts[s][q] if q < len(llama.drafts[s]) else []
+            n = min(len(d_ours), len(d_theirs))
+            drafts_equal = d_ours[:n] == d_theirs[:n]
+            same_drafts += drafts_equal
+            if ours[r] == theirs[q] and drafts_equal:
+                continue
+            out["unequal"].append(
+                {
+                    "sequence": s,
+                    "output_position": p,
+                    "harness_round": r,
+                    "llamacpp_round": q,
+                    "harness_committed": ours[r],
+                    "llamacpp_committed": theirs[q],
+                    "harness_drafts": d_ours,
+                    "llamacpp_drafts": d_theirs,
+                }
+            )
+        out["aligned"] += aligned
+        out["equal"] += equal
+        out["equal_drafts"] += same_drafts
+        out["per_sequence"].append({"agree": agree, "aligned": aligned, "equal": equal, "equal_drafts": same_drafts})
+    return out
+
+
+def anchored_llamacpp(harness: Leg, drafter_dir: Path, prompts, max_new_tokens: int, stop, **kw) -> dict:
+    """llama.cpp's rounds against the harness's with llama.cpp's first round anchored where the harness's is: each
+    prompt served again with the harness's first generated token appended (what the harness takes from the prefill),
+    so llama.cpp's round k drafts from the same anchor, with the same context, as the harness's round k. A near-certain
+    drafter otherwise commits a full block in llama.cpp's extra first round and its rounds never start where the
+    harness's do. A prompt whose text with that token does not tokenize back to the same ids is left out (named)."""
+    tokenizer = kw["tokenizer"]
+    keep, left_out = [], []
+    for s, prompt in enumerate(prompts):
+        ids = list(prompt) + harness.outputs[s][:1]
+        text = tokenizer.decode(ids, skip_special_tokens=False)
+        ok = len(harness.outputs[s]) > 1 and tokenizer(text, add_special_tokens=False).input_ids == ids
+        (keep if ok else left_out).append(s)
+    if not keep:
+        return {"sequences": [], "left_out": left_out}
+    extended = [list(prompts[s]) + harness.outputs[s][:1] for s in keep]
+    leg = serve_llamacpp(None, drafter_dir, extended, max_new_tokens - 1, stop, **kw)
+    leg.outputs = [harness.outputs[s][:1] + o for s, o in zip(keep, leg.outputs)]
+    ours = Leg(
+        "harness",
+        rounds=[harness.rounds[s] for s in keep],
+        drafts=[harness.drafts[s] for s in keep],
+        outputs=[harness.outputs[s] for s in keep],
+    )
+    parity = rounds_against_harness(ours, leg, llama_first=1)
+    for d in parity["unequal"]:
+        d["sequence"] = keep[d["sequence"]]
+    return {**parity, "sequences": keep, "left_out": left_out, "llamacpp_rounds": leg.rounds}
 
 
 # --- the verdict ---------------------------------------------------------------------------------
@@ -316,7 +466,7 @@ def first_short_round(leg: Leg, prompts, block_size: int, need: float) -> dict |
     """The first round committing fewer than `need` tokens, a sequence's last round left out (the token budget or a
     stop token ends it); its positions, drafts and the tokens committed there. None if there is none."""
     for s, (rounds, drafts, output) in enumerate(zip(leg.rounds, leg.drafts, leg.outputs)):
-        start = len(prompts[s])  # the newest committed token's position: block[0] of the round
+        start = len(prompts[s]) + leg.first_anchor  # the newest committed token's position: block[0] of the round
         for r, committed in enumerate(rounds):
             if committed < need and r < len(rounds) - 1:
                 gen = start - len(prompts[s])  # index of block[0] among the generated tokens
@@ -348,6 +498,16 @@ def describe_round(short: dict, tokenizer) -> str:
         f"    drafted   {short['drafted']}\n              {words(short['drafted'])}\n"
         f"    committed {short['committed_tokens']}\n              {words(short['committed_tokens'])}"
     )
+
+
+def log_unequal(parity: dict, log, most: int = 3) -> None:
+    for d in parity["unequal"][:most]:
+        log(
+            f"  unequal: sequence {d['sequence']} at output position {d['output_position']}: harness round "
+            f"{d['harness_round']} commits {d['harness_committed']}, llama.cpp round {d['llamacpp_round']} "
+            f"{d['llamacpp_committed']}\n    harness drafts   {d['harness_drafts']}\n"
+            f"    llama.cpp drafts {d['llamacpp_drafts']}"
+        )
 
 
 def run_gate(cfg: Config, log=print) -> dict:
@@ -383,8 +543,13 @@ def run_gate(cfg: Config, log=print) -> dict:
         "engines": {},
     }
     responses = [r for _, r in pairs]
+    legs_served = {}
     for engine in engines:
-        leg = SERVERS[engine](target, served, prompts, g.max_new_tokens, stop)
+        extra = {"tokenizer": tokenizer, "target_name": cfg.model.target, "gguf_dir": out / "gguf"}
+        leg = SERVERS[engine](
+            target, served, prompts, g.max_new_tokens, stop, **(extra if engine == "llamacpp" else {})
+        )
+        legs_served[engine] = leg
         short = first_short_round(leg, prompts, block, need)
         passed = leg.tau >= need
         same = sum(o == r for o, r in zip(leg.outputs, responses))
@@ -406,6 +571,28 @@ def run_gate(cfg: Config, log=print) -> dict:
     if {"harness", "reference"} <= set(legs):
         report["harness_reference_rounds_equal"] = legs["harness"]["rounds"] == legs["reference"]["rounds"]
         log(f"harness and reference rounds identical: {report['harness_reference_rounds_equal']}")
+    if {"harness", "llamacpp"} <= set(legs):
+        parity = rounds_against_harness(legs_served["harness"], legs_served["llamacpp"])
+        report["llamacpp_harness_rounds"] = parity
+        log(
+            f"llamacpp vs harness rounds: {parity['aligned']} aligned, {parity['equal']} equal commit counts, "
+            f"{parity['equal_drafts']} equal drafts (aligned by the output position of a round's first committed "
+            "token, on the stretch both outputs agree)"
+        )
+        log_unequal(parity, log)
+        extra = {"tokenizer": tokenizer, "target_name": cfg.model.target, "gguf_dir": out / "gguf"}
+        anchored = anchored_llamacpp(legs_served["harness"], served, prompts, g.max_new_tokens, stop, **extra)
+        report["llamacpp_harness_rounds_anchored"] = anchored
+        if anchored["sequences"]:
+            log(
+                f"llamacpp vs harness rounds, llama.cpp's prompt ending with the harness's first token (its rounds "
+                f"anchored where ours are): {anchored['aligned']} aligned, {anchored['equal']} equal commit counts, "
+                f"{anchored['equal_drafts']} equal drafts"
+                + (f"; sequences left out {anchored['left_out']}" if anchored["left_out"] else "")
+            )
+            log_unequal(anchored, log)
+        else:
+            log(f"llamacpp vs harness rounds, anchored: no sequence could be served so ({anchored['left_out']})")
     report["passed"] = all(e["passed"] for e in legs.values())
     (out / "gate.json").write_text(json.dumps(report, indent=1))
     log(f"gate {'PASSED' if report['passed'] else 'FAILED'} ({out / 'gate.json'})")

@@ -23,11 +23,12 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarnin
 PROMPTS = [f"Write function number {i} that adds {i} to x." for i in range(12)]
 
 
-def tiny_target_dir(folder: Path, arch: str) -> str:
-    """A tiny random `arch` target (8 layers: 3 features read layers 1, 3, 5) with a small BPE tokenizer; the rows
-    past the tokenizer's words are spare (the mask token is one)."""
-    tokenizer = bpe_tokenizer(PROMPTS, QWEN3_TEMPLATE)  # ChatML with Qwen3's generation prompt (empty think block)
-    model = tiny_target(arch, vocab=320, layers=8)
+def tiny_target_dir(folder: Path, arch: str, tokenizer=None) -> str:
+    """A tiny random `arch` target (8 layers: 3 features read layers 1, 3, 5) with a small BPE tokenizer (or
+    `tokenizer`); the rows past the tokenizer's words are spare (the mask token is one)."""
+    if tokenizer is None:
+        tokenizer = bpe_tokenizer(PROMPTS, QWEN3_TEMPLATE)  # ChatML with Qwen3's generation prompt (empty think block)
+    model = tiny_target(arch, vocab=max(320, len(tokenizer)), layers=8)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     with torch.no_grad():
         # logits of a trained model's range (a random head's are nearly uniform, which a drafter reading the frozen
@@ -108,13 +109,92 @@ def test_gate_fails_with_a_planted_mismatch_and_names_the_round(targets, arch, p
     assert report["harness_reference_rounds_equal"]  # both engines serve the same (wrong) drafter alike
 
 
-def test_llamacpp_is_refused_by_name_and_a_plant_must_be_known(monkeypatch, tmp_path):
+def test_llamacpps_round_log_makes_a_leg_that_the_verdict_and_the_parity_read():
+    """llama.cpp's rounds (`llamacpp.spec_rounds`) as a Leg: cut at a stop token and the token budget; its first round
+    anchors on the prompt's last token, so a short round's block starts one position earlier than the harness's;
+    rounds set against the harness's by the output position of their first committed token."""
+    out = list(range(100, 112))
+    log = [  # round 1 commits the first output token only, then 4 a round; the budget (10) cuts the fourth
+        {"drafts": [7, 7, 7], "committed": out[:1]},
+        {"drafts": out[1:4], "committed": out[1:5]},
+        {"drafts": out[5:8], "committed": out[5:9]},
+        {"drafts": out[9:12], "committed": [*out[9:12], 112]},
+    ]
+    leg = gate.llamacpp_leg([log], max_new_tokens=10, stop=[])
+    assert leg.rounds == [[1, 4, 4, 1]] and leg.outputs == [out[:10]] and leg.first_anchor == -1
+    assert leg.drafts[0][0] == [7, 7, 7] and leg.tau == 2.5
+    assert gate.llamacpp_leg([log], max_new_tokens=10, stop=[101]).rounds == [[1, 1]]  # up to the stop token
+    prompt = [1, 2, 3, 4, 5]
+    short = gate.first_short_round(leg, [prompt], block_size=4, need=3.6)
+    assert short["round"] == 0 and short["block_positions"] == [4, 7]  # anchored on the prompt's last token
+    assert short["committed_tokens"] == out[:3] and short["first_wrong_position"] == 5
+    harness = gate.Leg("harness", rounds=[[4, 3, 2]], drafts=[[out[1:4], out[5:8], out[8:11]]], outputs=[out[:10]])
+    parity = gate.rounds_against_harness(harness, leg)
+    # harness rounds start at output positions 1, 5, 8; llama.cpp's at 0, 1, 5, 9: aligned at 1 (4 and 4), 5 (3, 4)
+    assert (parity["aligned"], parity["equal"], parity["equal_drafts"]) == (2, 1, 2)
+    assert parity["unequal"] == [
+        {
+            "sequence": 0,
+            "output_position": 5,
+            "harness_round": 1,
+            "llamacpp_round": 2,
+            "harness_committed": 3,
+            "llamacpp_committed": 4,
+            "harness_drafts": out[5:8],
+            "llamacpp_drafts": out[5:8],
+        }
+    ]
+    # anchored: llama.cpp's prompt held the first output token, its rounds start at position 1 as the harness's do
+    anchored = gate.Leg("llamacpp", rounds=[[4, 3, 2]], drafts=[[out[1:4], out[5:8], [0, 0, 0]]], outputs=[out[:10]])
+    parity = gate.rounds_against_harness(harness, anchored, llama_first=1)
+    assert (parity["aligned"], parity["equal"], parity["equal_drafts"]) == (3, 3, 2)
+    assert [(d["output_position"], d["llamacpp_drafts"]) for d in parity["unequal"]] == [(8, [0, 0, 0])]
+
+
+def test_llamacpp_is_refused_without_a_build_and_a_plant_must_be_known(monkeypatch, tmp_path):
     import llamacpp
 
     monkeypatch.setattr(llamacpp, "tool_path", lambda name: tmp_path / "missing" / name)
     with pytest.raises(gate.GateRefused, match="llamacpp refused: no cached llama.cpp build"):
         gate.check_engines(["harness", "llamacpp"])
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "llama-speculative-simple").touch()
+    monkeypatch.setattr(llamacpp, "tool_path", lambda name: tmp_path / "bin" / name)
+    assert gate.check_engines(["harness", "llamacpp"]) == ["harness", "llamacpp"]  # built: its leg runs
     with pytest.raises(gate.GateRefused, match="gate.engines"):
         gate.check_engines(["vllm"])
     with pytest.raises(gate.GateRefused, match="gate.plant"):
         gate.gate_config(["gate.plant=labels-1"])
+
+
+@pytest.mark.slow
+def test_gate_passes_in_llamacpp_and_its_rounds_are_set_against_the_harness(tmp_path):
+    """The llama.cpp leg where a build is cached (`make llamacpp`): a tiny random Llama with SmolLM2's tokenizer (one
+    llama.cpp's converter knows; the test targets' own BPE it does not), its drafter converted to GGUF and served by
+    `llama-speculative-simple --spec-type draft-dflash`; llama.cpp passes with the harness's outputs, and its rounds
+    are set against the harness's."""
+    import llamacpp
+    from transformers import AutoTokenizer
+
+    from flashdraft.target import resolve_target
+
+    tool = llamacpp.tool_path("llama-speculative-simple")
+    if not tool.is_file():
+        pytest.skip(f"no cached llama.cpp build ({tool} is missing): `make llamacpp` builds it")
+    try:
+        smol = resolve_target("smollm2-135m")
+    except Exception as e:  # the embedded default's package or its cached folder
+        pytest.skip(f"the embedded default target's tokenizer is not available here: {e}")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    target = tiny_target_dir(tmp_path / "target", "llama", AutoTokenizer.from_pretrained(smol))
+    report = run(("llama", target, prompts, tmp_path), "llamacpp", extra=["gate.engines=[harness,reference,llamacpp]"])
+    assert set(report["engines"]) == {"harness", "reference", "llamacpp"}
+    leg = report["engines"]["llamacpp"]
+    assert leg["passed"] and leg["outputs_equal_captured"] == 3, leg
+    assert report["passed"]
+    parity = report["llamacpp_harness_rounds"]
+    assert len(parity["per_sequence"]) == 3 and all(p["agree"] == 40 for p in parity["per_sequence"])
+    assert 0 <= parity["equal"] <= parity["aligned"]
+    anchored = report["llamacpp_harness_rounds_anchored"]  # llama.cpp's rounds anchored where the harness's are
+    assert anchored["sequences"] and 0 < anchored["aligned"] and anchored["equal"] <= anchored["aligned"]
