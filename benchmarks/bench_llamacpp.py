@@ -44,6 +44,7 @@ from llamacpp import (  # shared with the gate's llama.cpp leg (benchmarks/gate.
     SPEC_COUNT,  # noqa: F401
     SPEC_DECODED,  # noqa: F401
     SPEC_ROUND,  # noqa: F401
+    aligned_rounds,  # noqa: F401
     common_flags,
     common_prefix,
     round_parity,

@@ -385,24 +385,20 @@ SERVERS = {"harness": serve_harness, "reference": serve_reference, "llamacpp": s
 
 
 def rounds_against_harness(harness: Leg, llama: Leg, llama_first: int = 0) -> dict:
-    """llama.cpp's rounds set against the harness's one by one (`llamacpp.round_parity`: rounds aligned by the output
+    """llama.cpp's rounds set against the harness's one by one (`llamacpp.aligned_rounds`: rounds aligned by the output
     position of their first committed token, within the stretch both outputs agree on; `llama_first`: the output
     position of llama.cpp's first round's first token, 1 in the anchored run): per sequence and in all, aligned rounds,
     those committing the same count and those drafting the same tokens (over the positions both drafted), and each
     aligned round that differs in either, with both sides' drafts."""
-    from llamacpp import common_prefix, round_parity, round_starts
+    from llamacpp import aligned_rounds, common_prefix
 
     out = {"aligned": 0, "equal": 0, "equal_drafts": 0, "per_sequence": [], "unequal": []}
     for s, (ours, theirs) in enumerate(zip(harness.rounds, llama.rounds)):
         agree = common_prefix(harness.outputs[s], llama.outputs[s])
-        aligned, equal = round_parity(ours, theirs, agree, llama_first)
-        index_ours = {p: r for r, p in enumerate(round_starts(ours, 1))}
-        index_theirs = {p: r for r, p in enumerate(round_starts(theirs, llama_first))}
+        pairs = aligned_rounds(ours, theirs, agree, llama_first)
+        aligned, equal = len(pairs), sum(ours[r] == theirs[q] for _, r, q in pairs)
         same_drafts = 0
-        for p, r in index_ours.items():
-            q = index_theirs.get(p)
-            if q is None or p + min(ours[r], theirs[q]) > agree:
-                continue
+        for p, r, q in pairs:
             d_ours = harness.drafts[s][r] if r < len(harness.drafts[s]) else []
             d_theirs = llama.drafts[s][q] if q < len(llama.drafts[s]) else []
             n = min(len(d_ours), len(d_theirs))
@@ -544,8 +540,8 @@ def run_gate(cfg: Config, log=print) -> dict:
     }
     responses = [r for _, r in pairs]
     legs_served = {}
+    extra = {"tokenizer": tokenizer, "target_name": cfg.model.target, "gguf_dir": out / "gguf"}  # llama.cpp's leg
     for engine in engines:
-        extra = {"tokenizer": tokenizer, "target_name": cfg.model.target, "gguf_dir": out / "gguf"}
         leg = SERVERS[engine](
             target, served, prompts, g.max_new_tokens, stop, **(extra if engine == "llamacpp" else {})
         )
@@ -580,7 +576,6 @@ def run_gate(cfg: Config, log=print) -> dict:
             "token, on the stretch both outputs agree)"
         )
         log_unequal(parity, log)
-        extra = {"tokenizer": tokenizer, "target_name": cfg.model.target, "gguf_dir": out / "gguf"}
         anchored = anchored_llamacpp(legs_served["harness"], served, prompts, g.max_new_tokens, stop, **extra)
         report["llamacpp_harness_rounds_anchored"] = anchored
         if anchored["sequences"]:

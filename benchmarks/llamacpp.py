@@ -296,14 +296,22 @@ def round_starts(lengths, first: int) -> dict[int, int]:
     return starts
 
 
+def aligned_rounds(harness_lengths, llama_lengths, agree: int, llama_first: int = 0) -> list[tuple[int, int, int]]:
+    """(output position, harness round, llama.cpp round) of each pair of rounds that start at the same position and
+    end within the `agree` tokens both outputs share. The harness's rounds start after the prefill's token (position
+    1), llama.cpp's at position 0 (`llama_first`: 1 where its prompt held the first generated token)."""
+    theirs = {p: q for q, p in enumerate(round_starts(llama_lengths, llama_first))}
+    return [
+        (p, r, theirs[p])
+        for r, p in enumerate(round_starts(harness_lengths, 1))
+        if p in theirs and p + min(harness_lengths[r], llama_lengths[theirs[p]]) <= agree
+    ]
+
+
 def round_parity(harness_lengths, llama_lengths, agree: int, llama_first: int = 0) -> tuple[int, int]:
-    """(rounds of both that start at the same position and end within the `agree` tokens both outputs share,
-    how many of them committed the same number of tokens). The harness's rounds start after the prefill's token
-    (position 1), llama.cpp's at position 0 (`llama_first`: 1 where its prompt held the first generated token)."""
-    ours = round_starts(harness_lengths, 1)
-    theirs = round_starts(llama_lengths, llama_first)
-    shared = [p for p in ours if p in theirs and p + min(ours[p], theirs[p]) <= agree]
-    return len(shared), sum(ours[p] == theirs[p] for p in shared)
+    """(rounds aligned by `aligned_rounds`, how many of them committed the same number of tokens)."""
+    pairs = aligned_rounds(harness_lengths, llama_lengths, agree, llama_first)
+    return len(pairs), sum(harness_lengths[r] == llama_lengths[q] for _, r, q in pairs)
 
 
 def main() -> None:

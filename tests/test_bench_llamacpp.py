@@ -42,6 +42,8 @@ def test_round_parity_compares_rounds_that_start_together():
     assert bench.round_parity(harness, llama, agree=9) == (2, 1)
     # a round that reaches past the agreeing stretch is not compared
     assert bench.round_parity(harness, llama, agree=7) == (1, 1)
+    # one that ends exactly where the outputs stop agreeing is: (position, harness round, llama.cpp round)
+    assert bench.aligned_rounds(harness, llama, agree=8) == [(4, 1, 1), (5, 2, 2)]
 
 
 # a draft-dflash debug log as llama.cpp writes it (-v): each drafted position's top candidates, then the round's
