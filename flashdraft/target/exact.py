@@ -1,11 +1,28 @@
 """Exact verification: a k-token forward that gives bit for bit the logits of k one-token forwards, on any device.
 
 Neither holds by itself on a CPU or a GPU: a GEMM over 1 row and over 16 rows may take different kernels whose
-results differ in the last bit, and so does attention over 1 vs k queries. `make_verification_exact` therefore tiles
-every linear layer (a short tile zero-padded to the rows whose kernel every longer tile shares, `exact_base_rows`,
-probed on the weights' own device) and runs attention one query row at a time (`rowwise_attention`), both through
-the same torch calls a one-token step makes on that device. Used by the harness (`eval.exact`, `resolve_exact`) and
-the benchmarks.
+results differ in the last bit, and so does attention over 1 vs k queries, and so does a reduction over the last
+dim (an RMSNorm's mean of squares): CUDA's reduce kernel picks its block shape, and with it the order in which a
+row's terms are summed, by the number of rows. `make_verification_exact` therefore tiles every linear layer (a short
+tile zero-padded to the rows whose kernel every longer tile shares, `exact_base_rows`, probed on the weights' own
+device), runs attention one query row at a time (`rowwise_attention`), both through the same torch calls a
+one-token step makes on that device, and sums each RMSNorm's squares in a fixed order (`fixed_order_sum`).
+
+Why a fixed-order sum for the norms rather than fixed row tiles (running the device's reduce on tiles of exactly T
+zero-padded rows, so that it always sees one shape): the sum is built from elementwise adds of two float32 numbers,
+each correctly rounded on every device whatever the launch configuration, so a row's bits depend on nothing but
+the row, by construction, and the CPU tests run the very order a GPU runs. Fixed tiles would rely on a property of
+the kernel, not of this code: that it sums a row in the same order wherever the row sits in the tile (CUDA's
+vectorized loads, for one, start by each row's alignment); and a prefill of n rows would run as n/T tiles, a Python
+loop of launches per norm and layer. The fixed-order sum costs about log2(width) small elementwise launches a norm
+call, whatever the number of rows.
+
+Only RMSNorms of the T5 formula (`T5_RMS_NORMS`: Llama, Qwen2/3, Qwen3-MoE, Mistral, Qwen3-VL text) are rewritten;
+a model holding any other normalization (Gemma's 1 + weight, LayerNorm, ...) is refused by class name rather than
+left row-count dependent. (Qwen3-MoE's router and experts call F.linear on their own parameters, not nn.Linear
+layers, and are not tiled.) Target logits need nothing more on the exact (greedy) path: it reduces them only by argmax,
+which is exact in any order (a max, ties to the first index on every device). Used by the harness (`eval.exact`,
+`resolve_exact`) and the benchmarks.
 """
 
 from __future__ import annotations
@@ -216,17 +233,82 @@ def _row_exact_linear(self, x: torch.Tensor) -> torch.Tensor:
     return (out[0] if len(out) == 1 else torch.cat(out)).reshape(*x.shape[:-1], -1)
 
 
+# RMSNorm classes whose forward is T5's: x in float32, variance = mean of x^2 over the last dim,
+# x * rsqrt(variance + variance_epsilon), then weight * x in the input dtype (transformers 5.x).
+T5_RMS_NORMS = frozenset(
+    {
+        "LlamaRMSNorm",
+        "MistralRMSNorm",
+        "Qwen2RMSNorm",
+        "Qwen3RMSNorm",
+        "Qwen3MoeRMSNorm",
+        "Qwen3VLTextRMSNorm",
+        "Qwen3VLMoeTextRMSNorm",
+    }
+)
+
+
+def fixed_order_sum(x: torch.Tensor) -> torch.Tensor:
+    """The sum over the last dim (kept, size 1) in one fixed order on every device and for any number of rows:
+    zero-padded to a power of two, then halved: the first half plus the second, elementwise, until one column is
+    left. Each step is an elementwise add, which every device rounds alike whatever its launch shape; the device's
+    reduce kernel would pick the order of a row's terms by the number of rows (CUDA's block shape)."""
+    size = 1 << (x.shape[-1] - 1).bit_length()
+    if size != x.shape[-1]:
+        x = F.pad(x, (0, size - x.shape[-1]))  # +0.0 terms change no sum
+    while size > 1:
+        size //= 2
+        x = x[..., :size] + x[..., size:]
+    return x
+
+
+def _exact_rms_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """T5's RMSNorm (`T5_RMS_NORMS`) with the mean of squares summed by `fixed_order_sum`: a row's output does not
+    depend on how many rows share the call."""
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = fixed_order_sum(hidden_states.pow(2)) / hidden_states.shape[-1]
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    return self.weight * hidden_states.to(input_dtype)
+
+
+def _is_normalization(module: nn.Module) -> bool:
+    """A module that reduces over its input's rows to normalize them: torch's own norms, or a class named so."""
+    torch_norms = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.LocalResponseNorm, nn.modules.batchnorm._NormBase)
+    return isinstance(module, torch_norms) or "norm" in type(module).__name__.lower()
+
+
+def make_norms_exact(model) -> int:
+    """Give every RMSNorm of `model` the fixed-order forward (`_exact_rms_norm`); returns how many. Any other
+    normalization is refused by name: its reduction would keep an order that depends on the row count."""
+    norms = []
+    for name, module in model.named_modules():
+        if type(module).__name__ in T5_RMS_NORMS and hasattr(module, "variance_epsilon"):
+            norms.append(module)
+        elif _is_normalization(module):
+            raise ValueError(
+                f"exact verification cannot make {name or 'the model'} ({type(module).__name__}) row-count "
+                f"invariant: only T5-style RMSNorms ({', '.join(sorted(T5_RMS_NORMS))}) are rewritten with a "
+                "fixed-order sum; this norm would keep the device's reduction, whose order depends on the rows"
+            )
+    for module in norms:
+        module.forward = _exact_rms_norm.__get__(module)
+    return len(norms)
+
+
 def make_verification_exact(model, rows: int = 16, fp32_attention: bool | None = None):
     """Make a k-token forward (any k) give bit for bit the logits of k one-token forwards.
 
     Every linear layer runs on tiles of at most `rows` rows, a short one zero-padded to the fewest rows whose
-    kernel every longer tile shares (`exact_base_rows`, probed per shape), and attention goes row by row
-    (`rowwise_attention`). Longer inputs (prefills) run tile by tile, so they are exact too: transformers' prompt
-    lookup verifies its first candidates inside the prefill.
+    kernel every longer tile shares (`exact_base_rows`, probed per shape), attention goes row by row
+    (`rowwise_attention`) and every RMSNorm sums its squares in a fixed order (`make_norms_exact`; a model with
+    another kind of norm is refused before anything is changed). Longer inputs (prefills) run tile by tile, so they
+    are exact too: transformers' prompt lookup verifies its first candidates inside the prefill.
 
     `fp32_attention` (None: `upcasts_attention`) runs a low-precision model's row-wise attention in float32: on CPUs
     without AMX, bf16 SDPA costs several times a float32 call for one query row, and a verify forward makes one call
     per row and layer."""
+    make_norms_exact(model)
     for module in model.modules():
         if isinstance(module, nn.Linear):
             module.exact_rows = rows
