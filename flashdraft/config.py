@@ -135,6 +135,12 @@ class DataConfig:
     # threads writing shards off the decode loop, 0: written in the decode loop; auto: on a GPU every CPU thread of
     # the worker but the decode loop's, on a CPU 0 (torch's threads decode on every core)
     writer_threads: Any = "auto"
+    # read each decode step's results while the next one runs, so the host's bookkeeping overlaps the device's work:
+    # auto (on CUDA; on a CPU the host is the device) | on | off (each step read before the next is launched)
+    overlap: Any = "auto"
+    # the decode's device-to-host copies staged through fresh host buffers (pinned on CUDA) behind an event, so that
+    # they queue behind the device's work: auto (on CUDA) | on (on a CPU: plain copies, the same code path) | off
+    staged_copies: Any = "auto"
     gpu_memory_fraction: float = DEFAULT_FRACTION  # of the GPU memory free after the target loads, what auto fills
     shard_size: int = 32  # prompts per fleet task = per store shard
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -150,6 +156,18 @@ def thinking_setting(value, key: str, choices: tuple[str, ...]) -> str | None:
     if text not in choices:
         raise ValueError(f"{key} must be one of {list(choices)} or null, got {value!r}")
     return text
+
+
+SWITCH_WORDS = {"auto": None, "on": True, "true": True, "yes": True, "off": False, "false": False, "no": False}
+
+
+def switch_setting(value, key: str) -> bool | None:
+    """An auto | on | off setting as None (auto: the caller resolves it by device) or a boolean. A yaml or command
+    line `on`/`off`/`true`/`false` may arrive as a boolean or as its text."""
+    word = str(value).lower()
+    if word not in SWITCH_WORDS:
+        raise ValueError(f"{key} must be auto, on or off, got {value!r}")
+    return SWITCH_WORDS[word]
 
 
 def source_figures(figures: dict) -> dict[str, SourceFigures]:
@@ -177,7 +195,9 @@ class ClusterConfig:
     # capture workers (0: in-process, no Ray); auto: one per GPU where the capture runs on GPUs, else 1
     num_actors: Any = "auto"
     gpus_per_actor: Any = "auto"  # auto: 1 where the capture runs on GPUs, else 0
-    cpus_per_actor: float = 1
+    # auto: where the capture runs on this machine's GPUs, its CPUs shared by one actor a GPU (the shard writers take
+    # all of an actor's CPUs but the decode loop's); on a CPU 1
+    cpus_per_actor: Any = "auto"
     max_attempts: int = 3  # a shard failing this often is reported, not retried
     object_store_mb: int = 256
 
@@ -223,6 +243,11 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
     attention: str = "auto"  # auto (flex on GPU, dense on CPU) | flex | dense
     compile: str = "auto"  # torch.compile the drafter: auto (on GPU) | true | false
+    # dense attention's key/value heads (flashdraft.model._dense_attention): auto (expanded on GPU, where SDPA's
+    # memory-efficient kernel takes a mask but not grouped heads; grouped on CPU) | grouped | expanded
+    dense_kv_heads: str = "auto"
+    dist_backend: str = "auto"  # torch.distributed's: auto (gloo on CPU, cpu:gloo,cuda:nccl on GPU) | a backend string
+    pin_memory: str = "auto"  # loader batches pinned, for asynchronous copies to the GPU: auto (on GPU) | true | false
     ce_chunk: int = 1024  # loss rows a chunk: the logits of one chunk are the loss's peak memory
     loader_workers: int = 4  # threads building micro-batches ahead
     prefetch: int = 4  # micro-batches built ahead
@@ -231,11 +256,14 @@ class TrainConfig:
     eval_every: int = 500  # steps (0: only at the end)
     eval_batches: int = 8
     heldout_fraction: float = 0.02  # the hashed held-out part of `stores` when there are no eval_stores
+    # steps between logged rows; the loop waits for the device only at those steps (and at eval and checkpoint
+    # steps): one collective and one copy of the steps' sums, where non-finite losses are found too
     log_every: int = 1
     seed: int = 0
     resume: bool = True  # continue from the latest checkpoint in out_dir
     # stop once a step's training tau (sum over ranks) reaches this many tokens (None: train every planned step); the
-    # overfit gate (benchmarks/gate.py) stops near the block size with it
+    # overfit gate (benchmarks/gate.py) stops near the block size with it. Set, every step is logged (log_every is
+    # taken as 1): each step's tau is then on the host
     stop_tau: float | None = None
     stop_steps: int = 1  # ... on this many steps in a row (a step's tau is measured before its own update)
     check_target: bool = True  # refuse stores captured from another target (config and tokenizer hashes)

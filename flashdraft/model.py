@@ -69,19 +69,46 @@ def extract_context_feature(hidden_states, layer_ids) -> torch.Tensor:
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
 
 
+ATTENTION_KERNELS = {  # DraftAttention's kernel settings and their values (`DFlashDrafter.set_attention_kernels`)
+    "dense_kv_heads": ("auto", "grouped", "expanded"),
+    "flex_kernel": ("auto", "compiled", "eager"),
+}
+
+
 @functools.cache
 def _compiled_flex_attention():
-    """flex_attention compiled once a process: made lazily (the first CUDA call), cached by functools rather than in
-    a module global the call assigns, so a compiled drafter's graph never writes a global (a guaranteed recompile)."""
+    """flex_attention compiled once a process: made lazily (the first call that asks for it), cached by functools
+    rather than in a module global the call assigns, so a compiled drafter's graph never writes a global (a
+    guaranteed recompile)."""
     return torch.compile(flex_attention)
 
 
-def _flex_attention(q, k, v, block_mask, scale):
-    """FlexAttention. Eager on CUDA, the call goes through the compiled kernel (the eager one would materialise the
-    full score matrix); inside a compiled drafter dynamo compiles flex_attention with the rest of the graph."""
-    if q.is_cuda and not torch.compiler.is_compiling():
+def _flex_attention(q, k, v, block_mask, scale, kernel: str = "auto"):
+    """FlexAttention. kernel compiled: through the compiled kernel (`_compiled_flex_attention`; on CUDA the eager one
+    would materialise the full score matrix) | eager: the eager kernel | auto: compiled on CUDA, eager elsewhere.
+    Inside a compiled drafter dynamo compiles flex_attention with the rest of the graph, whatever `kernel` says."""
+    compiled = kernel == "compiled" or (kernel == "auto" and q.is_cuda)
+    if compiled and not torch.compiler.is_compiling():
         return _compiled_flex_attention()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
+
+
+def _dense_attention(q, k, v, mask, scale, kv_heads: str = "auto"):
+    """SDPA over the keys and values of [context | block], `mask` a boolean mask or None. kv_heads grouped: SDPA's
+    `enable_gqa` pairs each key/value head with its group of query heads | expanded: each key/value head repeated
+    for its group first (repeat_interleave: the pairing enable_gqa makes), a plain multi-head call | auto: expanded
+    on CUDA when there is a mask, grouped otherwise.
+
+    Why: on CUDA a mask rules out the flash kernel and grouped heads rule out the memory-efficient one, so a masked
+    grouped call falls to SDPA's math kernel, which writes every head's whole score matrix (GBs a layer at the
+    paper's shapes); expanded, the memory-efficient kernel takes it. Unmasked, flash takes grouped heads as they are.
+    On a CPU the grouped call is the one every earlier result came from (the expanded call runs another kernel,
+    equal within rounding)."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1 and (kv_heads == "expanded" or (kv_heads == "auto" and q.is_cuda and mask is not None)):
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    grouped = q.shape[1] != k.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=grouped)
 
 
 def _on_rows(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -144,6 +171,8 @@ class DraftAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=config.attention_bias)
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.dense_kv_heads = "auto"  # `_dense_attention`'s kv_heads
+        self.flex_kernel = "auto"  # `_flex_attention`'s kernel
 
     def _kv(self, x: torch.Tensor, cos, sin):
         b, n, _ = x.shape
@@ -163,11 +192,9 @@ class DraftAttention(nn.Module):
         k = torch.cat([k_ctx, k_blk], dim=2)
         v = torch.cat([v_ctx, v_blk], dim=2)
         if BlockMask is not None and isinstance(attention_mask, BlockMask):
-            out = _flex_attention(q, k, v, attention_mask, self.scaling)
+            out = _flex_attention(q, k, v, attention_mask, self.scaling, self.flex_kernel)
         else:
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attention_mask, scale=self.scaling, enable_gqa=self.num_heads != self.num_kv_heads
-            )
+            out = _dense_attention(q, k, v, attention_mask, self.scaling, self.dense_kv_heads)
         return _on_rows(self.o_proj, out.transpose(1, 2).reshape(b, q_len, -1))
 
 
@@ -262,6 +289,17 @@ class DFlashDrafter(nn.Module):
         ).mean(0)
         self.load_state_dict({k: v.to(own[k].dtype) for k, v in copied.items()}, strict=False)
         return list(range(first, num_target_layers))
+
+    def set_attention_kernels(self, *, dense_kv_heads: str = "auto", flex_kernel: str = "auto") -> DFlashDrafter:
+        """How every layer's attention runs (the values: `ATTENTION_KERNELS`; auto: by the device at each call):
+        `dense_kv_heads` for a dense or no mask (`_dense_attention`), `flex_kernel` for a BlockMask
+        (`_flex_attention`). Not saved: a setting of the process, not of the drafter."""
+        for name, value in (("dense_kv_heads", dense_kv_heads), ("flex_kernel", flex_kernel)):
+            if value not in ATTENTION_KERNELS[name]:
+                raise ValueError(f"{name} must be one of {list(ATTENTION_KERNELS[name])}, got {value!r}")
+        for layer in self.layers:
+            layer.self_attn.dense_kv_heads, layer.self_attn.flex_kernel = dense_kv_heads, flex_kernel
+        return self
 
     def new_cache(self) -> DraftCache:
         return DraftCache(len(self.layers))

@@ -4,6 +4,7 @@ import warnings
 from types import SimpleNamespace as StoredSequence
 
 import numpy as np
+import pytest
 import torch
 from transformers import LlamaConfig
 
@@ -104,3 +105,42 @@ def test_flex_block_mask_matches_dense_forward():
                 attention_mask=flex_block_mask(batch.anchors, batch.context_len, B),
             )
     torch.testing.assert_close(flex, dense.detach(), atol=1e-5, rtol=1e-4)
+
+
+def test_the_gpu_attention_forms_forced_on_a_cpu_match_the_dense_reference():
+    """What a GPU run takes where the settings say auto, forced on a CPU, against the dense grouped call every earlier
+    result came from: dense with key/value heads expanded (the form SDPA's memory-efficient kernel takes; gradients
+    too), and FlexAttention through the compiled kernel with its block mask made by the compiled
+    create_block_mask, forward only (FlexAttention has no backward on a CPU). Inductor's vectorised CPU code for
+    the mask function does not compile (torch 2.13: a VecMask type mismatch), so here the mask compiles scalar
+    (cpp.simdlen=1); on a GPU it is Triton code."""
+    import torch._inductor.config
+
+    from trainer.objective import attention_mask
+
+    drafter, batch = tiny_drafter(2), sample_batch(2)
+    noise = torch.randn(batch.block_ids.shape + (H,))
+    dense = attention_mask(batch, B, "dense")
+    grads = {}
+    for kv_heads in ("grouped", "expanded"):
+        drafter.set_attention_kernels(dense_kv_heads=kv_heads)
+        drafter.zero_grad()
+        out = drafter(noise, batch.context, batch.position_ids, attention_mask=dense)
+        out.square().sum().backward()
+        grads[kv_heads] = (out.detach(), {n: p.grad.clone() for n, p in drafter.named_parameters()})
+    (ref, ref_grads), (expanded, expanded_grads) = grads["grouped"], grads["expanded"]
+    torch.testing.assert_close(expanded, ref, atol=1e-6, rtol=1e-5)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(expanded_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+    drafter.set_attention_kernels(flex_kernel="compiled")
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        with torch._inductor.config.patch({"cpp.simdlen": 1}):
+            compiled_mask = attention_mask(batch, B, "flex", compile_mask=True)
+        eager_mask = attention_mask(batch, B, "flex", compile_mask=False)
+        assert torch.equal(compiled_mask.to_dense(), eager_mask.to_dense())
+        flex = drafter(noise, batch.context, batch.position_ids, attention_mask=compiled_mask)
+    torch.testing.assert_close(flex, ref, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="dense_kv_heads must be one of"):
+        drafter.set_attention_kernels(dense_kv_heads="shared")

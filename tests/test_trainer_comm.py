@@ -1,7 +1,8 @@
 """The trainer's collectives on the process group of a GPU run, on a CPU-only machine, with two real ranks.
 
-nccl registers itself for CUDA tensors only, and the loop sums CPU tensors over the ranks (`all_sum`, `Tally.all_sum`,
-the NaN check, the CPU dtype broadcast). A backend registered the same way (`devices=["cuda"]`, a gloo process group
+nccl registers itself for CUDA tensors only, and some collectives carry CPU tensors (on a CPU run, or a GPU run's
+tensors that live on the host: `all_sum`, `Tally.all_sum`, the sync of the steps' sums with its NaN check, the CPU
+dtype broadcast). A backend registered the same way (`devices=["cuda"]`, a gloo process group
 underneath) stands in for nccl here: alone, as the trainer used to initialise a GPU run, it refuses those sums; in the
 group `trainer.engine.backend_for` gives a GPU run, they all work."""
 
@@ -29,25 +30,27 @@ def trainer_collectives(rank: int, ckpt_root: Path) -> dict:
     """Each CPU-tensor collective of the trainer, run here as the loop runs it: name -> what it returned."""
     from trainer.engine import all_sum, training_dtype
     from trainer.metrics import Tally
-    from trainer.train import Progress, TrainingDiverged, stop_if_diverged
+    from trainer.train import Progress, StepRecord, TrainingDiverged, sync_steps
 
-    def tally():
+    def tally(loss):
         t = Tally(block_size=2)
         stats = {"pos_correct": torch.ones(2), "pos_total": torch.full((2,), 2.0)}
-        t.add(float(rank + 1), 10.0, {**stats, "accept": torch.tensor(1.0), "blocks": torch.tensor(1.0)})
-        return t.all_sum().sums.tolist() + t.stats.tolist()
+        t.add(loss, 10.0, {**stats, "accept": torch.tensor(1.0), "blocks": torch.tensor(1.0)})
+        return t
 
-    def nan_check():  # rank 1's loss is NaN: every rank stops
+    def nan_check():  # rank 1's loss is NaN: every rank stops at the sync
         try:
             loss = torch.tensor(float("nan") if rank == 1 else 1.0)
-            stop_if_diverged(loss, SimpleNamespace(seq_ids=["s0"]), Progress(), ckpt_root)
+            step = StepRecord(0, 1, 0.0, tally(loss), ["s0"], 0.0)
+            engine, proc = SimpleNamespace(get_global_grad_norm=lambda: None), SimpleNamespace(rank=rank, world=WORLD)
+            sync_steps(engine, proc, 1, Progress(), ckpt_root, [step], 0.0)
         except TrainingDiverged:
             return "stopped"
         return "went on"
 
     steps = {
         "all_sum": lambda: all_sum(torch.tensor([rank + 1.0])).tolist(),
-        "Tally.all_sum": tally,
+        "Tally.all_sum": lambda: tally(float(rank + 1)).all_sum().values.tolist(),
         "nan_check": nan_check,
         "dtype_broadcast": lambda: str(training_dtype("auto", torch.device("cpu"))),
     }
@@ -89,7 +92,7 @@ def test_the_trainers_gpu_process_group_serves_its_cpu_collectives(tmp_path):
     ranks = run_ranks(tmp_path, old_way=False)
     for r in ranks:
         assert r["all_sum"] == [3.0]
-        assert r["Tally.all_sum"] == [3.0, 20.0, 2.0, 2.0, 4.0, 4.0, 2.0, 2.0]
+        assert r["Tally.all_sum"] == [3.0, 20.0, 0.0, 2.0, 2.0, 4.0, 4.0, 2.0, 2.0]
         assert r["nan_check"] == "stopped"
         assert r["dtype_broadcast"] in ("torch.bfloat16", "torch.float32")
         assert r["backend"] == f"cpu:gloo,cuda:{CUDA_ONLY}"

@@ -246,3 +246,35 @@ def test_two_ranks_train_in_the_dtype_rank_0_timed(setup, tmp_path):
     assert len(chosen) == 1, out.stdout[-2000:]
     saved = json.loads((tmp_path / "run" / "checkpoints" / "step-00000002" / "client_state.json").read_text())
     assert chosen[0].split()[1] == saved["dtype"] and [m["step"] for m in metrics(tmp_path / "run")] == [1, 2]
+
+
+def test_the_gpu_recipe_trains_at_tiny_size_on_a_cpu(setup, tmp_path):
+    """train=auto's recipe for CUDA (conf/train/paper.yaml) on the tiny store, with what a CPU can execute of what
+    a GPU run takes: bf16, the drafter compiled by inductor (its auto is on CUDA only: forced), dense attention with
+    key/value heads expanded (a GPU's dense form: forced), 512 anchors a sequence (all a tiny sequence holds), max
+    length 3072, a 16,384-token budget, the loss in chunks of 2048 rows, 16 loader threads, the sampled store check,
+    a row every 10 steps. Not here: FlexAttention's backward (none on a CPU; its compiled forward is
+    tests/test_masks.py's), pinned memory and nccl (CUDA only)."""
+    from dataclasses import asdict
+
+    from tests.test_trainer_config import composed
+    from trainer.__main__ import train_config
+
+    _, target, store = setup
+    recipe = {k: v for k, v in asdict(train_config(composed(cuda_available=True))).items() if k != "wandb"}
+    assert (recipe["dtype"], recipe["num_anchors"], recipe["token_budget"], recipe["log_every"]) == (
+        "bfloat16",
+        512,
+        16384,
+        10,
+    )
+    kw = {**recipe, "stores": [str(store.path)], "target": str(target), "eval_stores": None, "max_steps": 3}
+    kw.update(out_dir=str(tmp_path / "run"), drafter_dir=str(tmp_path / "drafter"), progress=False)
+    kw.update(device="cpu", attention="dense", dense_kv_heads="expanded", compile="true", pin_memory="false")
+    out = run_training(tmp_path, kw, timeout=600)
+    said = "train settings: device=cpu; dtype=bfloat16; attention=dense; dense_kv_heads=expanded; compile=true"
+    assert said in out.stdout, out.stdout[-2000:]
+    rows = metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [3] and np.isfinite(rows[0]["loss"])  # log_every=10: the last step only
+    assert rows[0]["tokens_seen"] > 0 and rows[0]["grad_norm"] > 0
+    assert DFlashDrafter.from_pretrained(tmp_path / "drafter").config.dtype == torch.bfloat16  # as trained

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer.loss import block_labels, block_loss, default_gamma, position_weights, summarize
+from trainer.loss import block_labels, block_loss, default_gamma, loss_rows, loss_words, position_weights, summarize
 
 
 def test_default_gamma_is_the_papers_for_its_block_sizes():
@@ -144,3 +144,34 @@ def test_a_loss_vocabulary_is_the_softmax_over_its_words_and_the_batch_labels(al
     # hidden states that point at their labels: every prediction is right, in the target's word ids
     _, stats = block_loss(F.one_hot(labels, v).float() * 5, torch.eye(v), labels, weights, bs, soft=soft, vocab=vocab)
     assert stats["pos_correct"].tolist() == stats["pos_total"].tolist() and stats["pos_total"].sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("alpha, vocab", [(None, None), (0.5, None), (None, [1, 4, 7, 9, 20]), (0.5, [3, 5, 30])])
+def test_rows_and_words_counted_on_the_host_give_the_same_loss_bit_for_bit(dtype, alpha, vocab):
+    """The trainer hands block_loss the rows with a loss weight and the loss vocabulary's words of the batch as the
+    loader counted them on the host (`loss_rows`, `loss_words`), so that on a GPU nothing waits for the device to
+    count them: loss, gradient and stats are those of counting them on the device, bit for bit."""
+    torch.manual_seed(3)
+    b, n, bs, h, v, k = 3, 5, 4, 16, 60, 3
+    hidden = torch.randn(b, n * bs, h, dtype=dtype, requires_grad=True)
+    head = torch.randn(v, h, dtype=dtype)
+    labels = torch.randint(0, v, (b, n * bs))
+    weights = torch.rand(b, n * bs) * (torch.rand(b, n * bs) > 0.3)
+    t_ids, t_probs = torch.randint(0, v, (b, n * bs, k)), torch.softmax(torch.randn(b, n * bs, k), -1)
+    soft = (t_ids, t_probs, alpha) if alpha else None
+    vocab = torch.tensor(vocab) if vocab else None
+    rows = torch.from_numpy(loss_rows(weights.numpy()))
+    words = None
+    if vocab is not None:
+        words = torch.from_numpy(
+            loss_words(vocab.numpy(), labels.numpy(), weights.numpy(), t_ids.numpy() if soft else None)
+        )
+    runs = []
+    for host in (None, dict(rows=rows, words=words)):
+        loss, stats = block_loss(hidden, head, labels, weights, bs, chunk=7, soft=soft, vocab=vocab, **(host or {}))
+        (grad,) = torch.autograd.grad(loss, hidden)
+        runs.append((loss, grad, stats))
+    (loss, grad, stats), (host_loss, host_grad, host_stats) = runs
+    assert torch.equal(host_loss, loss) and torch.equal(host_grad, grad)
+    assert all(torch.equal(host_stats[key], stats[key]) for key in stats)

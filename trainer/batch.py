@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from trainer.loss import block_labels
+from trainer.loss import block_labels, loss_rows, loss_words
 
 
 @dataclass
@@ -29,6 +29,10 @@ class Batch:
     seq_ids: list
     teacher_ids: torch.Tensor | None = None  # [b, N*B, k] the target's top-k tokens for each label (soft labels)
     teacher_probs: torch.Tensor | None = None  # [b, N*B, k] their probabilities, renormalised over the k
+    # the flattened rows with a loss weight [n] (`trainer.loss.loss_rows`) and, under a loss vocabulary, the words of
+    # the training softmax (`loss_words`): counted here, on the host, so the loss waits for nothing on the device
+    loss_rows: torch.Tensor | None = None
+    loss_words: torch.Tensor | None = None
 
     @property
     def context_len(self) -> int:
@@ -54,8 +58,9 @@ class Batch:
         )
 
 
-def collate(samples, block_size: int, mask_token_id: int, gamma: float) -> Batch:
-    """samples: (StoredSequence, anchors np.int64 [N]) pairs, every N >= 1."""
+def collate(samples, block_size: int, mask_token_id: int, gamma: float, vocab: np.ndarray | None = None) -> Batch:
+    """samples: (StoredSequence, anchors np.int64 [N]) pairs, every N >= 1; vocab: the loss vocabulary (sorted ids),
+    whose `loss_words` the batch then carries."""
     b = len(samples)
     s_max = max(len(seq.input_ids) for seq, _ in samples)
     n_max = max(len(a) for _, a in samples)
@@ -82,6 +87,7 @@ def collate(samples, block_size: int, mask_token_id: int, gamma: float) -> Batch
         anchors[r, :n] = a
         labels[r, :n], weights[r, :n] = block_labels(seq.input_ids, seq.loss_mask, a, block_size, gamma)
         block_ids[r, :n, 0] = seq.input_ids[a]
+    teacher = t_ids if soft else None
     block_pos = anchors[:, :, None] + np.arange(block_size)[None, None, :]
     position_ids = np.concatenate([np.broadcast_to(np.arange(s_max), (b, s_max)), block_pos.reshape(b, -1)], axis=1)
     return Batch(
@@ -95,6 +101,8 @@ def collate(samples, block_size: int, mask_token_id: int, gamma: float) -> Batch
         seq_ids=[seq.seq_id for seq, _ in samples],
         teacher_ids=torch.from_numpy(t_ids.reshape(b, n_max * block_size, -1)) if soft else None,
         teacher_probs=torch.from_numpy(t_probs.reshape(b, n_max * block_size, -1)) if soft else None,
+        loss_rows=torch.from_numpy(loss_rows(weights)),
+        loss_words=None if vocab is None else torch.from_numpy(loss_words(vocab, labels, weights, teacher)),
     )
 
 

@@ -113,6 +113,7 @@ class TrainingData:
         self.valid_anchors = np.concatenate([valid_anchor_counts(r, block_size, max_length) for r in self.readers])
         self.heldout = np.array([is_heldout(s, heldout_fraction) for s in self.seq_ids], dtype=bool)
         self.cost = self.lengths + np.minimum(self.valid_anchors, num_anchors) * block_size
+        self.loss_vocab: np.ndarray | None = None  # sorted ids of a loss vocabulary: batches carry their loss words
 
     def __len__(self) -> int:
         return len(self.seq_ids)
@@ -191,7 +192,7 @@ class TrainingData:
                 seq.loss_mask, self.block_size, self.num_anchors, seed=self.seed, epoch=epoch, seq_id=seq.seq_id
             )
             samples.append((seq, anchors))
-        return collate(samples, self.block_size, self.mask_token_id, self.gamma)
+        return collate(samples, self.block_size, self.mask_token_id, self.gamma, vocab=self.loss_vocab)
 
 
 class Prefetcher:

@@ -35,19 +35,23 @@ def setup_distributed_env() -> tuple[int, int, int]:
 
 
 def backend_for(device: torch.device, gpu_backend: str = "nccl") -> str:
-    """The process group's backend for a run on `device`: gloo on a CPU; on a GPU, `gpu_backend` (nccl) for CUDA
-    tensors and gloo for CPU ones. nccl alone serves CUDA tensors only, and the loop sums CPU tensors over the ranks
-    (the NaN check, `Tally.all_sum`, the eval sums): with it alone they stop at the first micro-batch with
-    `No backend type associated with device type cpu`. (torch's own default on a GPU machine is the same pair.)"""
+    """The process group's backend for a run on `device` (train.dist_backend=auto): gloo on a CPU; on a GPU,
+    `gpu_backend` (nccl) for CUDA tensors and gloo for CPU ones. nccl alone serves CUDA tensors only, and a few
+    collectives carry CPU tensors (a CPU run's dtype broadcast, the store check's objects); with it alone they stop
+    with `No backend type associated with device type cpu`. (torch's own default on a GPU machine is the same
+    pair.) The loop's sums stay on the device and take nccl."""
     return f"cpu:gloo,cuda:{gpu_backend}" if device.type == "cuda" else "gloo"
 
 
-def init_distributed(device: torch.device, gpu_backend: str = "nccl") -> None:
-    """The process group, serving collectives on both devices (`backend_for`); DeepSpeed's `init_distributed` hands
-    the backend string to torch's `init_process_group`."""
+def init_distributed(device_or_backend: torch.device | str, gpu_backend: str = "nccl") -> None:
+    """The process group: a backend string (train.dist_backend as resolved), or the device the run trains on, which
+    takes `backend_for` it. DeepSpeed's `init_distributed` hands the string to torch's `init_process_group`."""
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend=backend_for(device, gpu_backend))
+    backend = device_or_backend
+    if not isinstance(backend, str):
+        backend = backend_for(backend, gpu_backend)
+    deepspeed.init_distributed(dist_backend=backend)
 
 
 def is_rank_zero() -> bool:

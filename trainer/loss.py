@@ -100,6 +100,23 @@ def leading_matches(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return (correct[:, 1:] & valid[:, 1:]).int().cumprod(dim=1).sum(dim=1)
 
 
+def loss_rows(weights: np.ndarray) -> np.ndarray:
+    """The rows [b * N * B] of a batch with a loss weight, flattened and in order: the rows `block_loss` scores. Counted
+    on the host when the batch is built, so that selecting them waits for nothing on the device."""
+    return np.flatnonzero(np.asarray(weights).reshape(-1) > 0)
+
+
+def loss_words(vocab: np.ndarray, labels: np.ndarray, weights: np.ndarray, teacher_ids=None) -> np.ndarray:
+    """The words of a batch's training softmax under a loss vocabulary (sorted ids): `vocab` and every label and
+    teacher token of the rows with a loss weight, sorted (what `block_loss` computes from `vocab` on the device)."""
+    rows = loss_rows(weights)
+    parts = [np.asarray(vocab), np.asarray(labels).reshape(-1)[rows]]
+    if teacher_ids is not None:
+        teacher_ids = np.asarray(teacher_ids)
+        parts.append(teacher_ids.reshape(-1, teacher_ids.shape[-1])[rows].ravel())
+    return np.unique(np.concatenate(parts).astype(np.int64))
+
+
 def block_loss(
     hidden: torch.Tensor,
     head_weight: torch.Tensor,
@@ -109,28 +126,36 @@ def block_loss(
     chunk: int = 1024,
     soft: tuple | None = None,
     vocab: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
+    words: torch.Tensor | None = None,
 ):
     """hidden [b, N*B, H], labels/weights [b, N*B] -> (loss, stats).
 
     soft: None, or (teacher ids [b, N*B, k], teacher probs [b, N*B, k], weight a in (0, 1]).
     vocab: None (the softmax over all words), or sorted ids: the softmax over them and the batch's labels
     and teacher tokens (predictions, and so the stats, then come from those words only).
+    rows, words: the batch's `loss_rows` and (with a vocab) `loss_words`, counted on the host; None: found here,
+    which on a GPU waits for the device to count them (a data-dependent shape).
 
     stats (detached sums, so ranks and steps can be summed before dividing): `weight` sum(w),
     `pos_correct`/`pos_total` [B] per-position hits and valid labels (k >= 1), `accept` sum over
     blocks of 1 + the number of leading positions k = 1.. predicted right, `blocks` block count.
     """
-    rows = weights.reshape(-1) > 0
-    h = hidden.reshape(-1, hidden.shape[-1])[rows]
-    y = labels.reshape(-1)[rows]
+    flat_w = weights.reshape(-1)
+    weighted = flat_w > 0
+    if rows is None:
+        rows = weighted.nonzero()[:, 0]
+    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
+    y = labels.reshape(-1).index_select(0, rows)
     total_w = weights.sum()
-    w = weights.reshape(-1)[rows].float() / total_w.clamp_min(1e-12)
+    w = flat_w.index_select(0, rows).float() / total_w.clamp_min(1e-12)
     if soft is not None:
         k = soft[0].shape[-1]
-        soft = (soft[0].reshape(-1, k)[rows], soft[1].reshape(-1, k)[rows].float(), float(soft[2]))
-    words = None
-    if vocab is not None:
+        t_ids, t_probs = soft[0].reshape(-1, k).index_select(0, rows), soft[1].reshape(-1, k).index_select(0, rows)
+        soft = (t_ids, t_probs.float(), float(soft[2]))
+    if vocab is not None and words is None:
         words = torch.unique(torch.cat([vocab, y] + ([soft[0].reshape(-1)] if soft is not None else [])))
+    if words is not None:
         head_weight = head_weight.index_select(0, words)
         y_all, y = y, torch.searchsorted(words, y)
         if soft is not None:
@@ -139,10 +164,9 @@ def block_loss(
     if words is not None:
         preds, y = words[preds], y_all
 
-    correct = torch.zeros(weights.numel(), dtype=torch.bool, device=hidden.device)
-    correct[rows] = preds == y
+    correct = torch.zeros(weights.numel(), dtype=torch.bool, device=hidden.device).scatter_(0, rows, preds == y)
     correct = correct.view(-1, block_size)  # [blocks, B]
-    valid = rows.view(-1, block_size)
+    valid = weighted.view(-1, block_size)
     real = valid.any(dim=1)  # padded blocks (and blocks with no valid label) are not counted
     leading = leading_matches(correct, valid)
     stats = {
@@ -156,11 +180,16 @@ def block_loss(
 
 
 def summarize(stats: dict, loss_sum: float, count: int) -> dict:
-    """Turn summed stats into logged metrics: loss, acc (k >= 1), acc_k, tau."""
-    pos_c, pos_t = stats["pos_correct"].tolist(), stats["pos_total"].tolist()
+    """Turn summed stats (tensors, or the host's lists and floats) into logged metrics: loss, acc (k >= 1), acc_k,
+    tau."""
+    pos_c, pos_t = (_host(stats["pos_correct"]), _host(stats["pos_total"]))
     out = {"loss": loss_sum / max(count, 1)}
     out["acc"] = sum(pos_c[1:]) / max(sum(pos_t[1:]), 1.0)
     for k in range(1, len(pos_c)):
         out[f"acc_{k}"] = pos_c[k] / pos_t[k] if pos_t[k] else math.nan
     out["tau"] = float(stats["accept"]) / max(float(stats["blocks"]), 1.0)
     return out
+
+
+def _host(values) -> list[float]:
+    return values.tolist() if isinstance(values, torch.Tensor) else list(values)

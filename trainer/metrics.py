@@ -4,6 +4,7 @@ and W&B (offline unless configured)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import uuid
 from pathlib import Path
@@ -13,39 +14,60 @@ import torch
 from trainer.engine import all_sum
 from trainer.loss import summarize
 
+LOSS, COUNT, NONFINITE, STATS = 0, 1, 2, 3  # a Tally's values: loss sum, count, non-finite losses, then the stats
+
 
 class Tally:
-    """The losses and loss stats of micro-batches, summed (over ranks too, by `all_sum`) before they are divided."""
+    """The losses and loss stats of micro-batches, summed on the device they were computed on: adding one waits for
+    nothing on it. Values: the loss sum, a count (tokens when training, micro-batches in eval), how many of the
+    losses were not finite, then pos_correct [B], pos_total [B], accept, blocks. `summed_over_ranks` brings several
+    tallies to the host at once: one collective and one copy."""
 
-    def __init__(self, block_size: int):
+    def __init__(self, block_size: int, device="cpu"):
         self.block_size = block_size
-        self.sums = torch.zeros(2, dtype=torch.float64)  # loss, a count (tokens when training, micro-batches in eval)
-        self.stats = torch.zeros(
-            2 * block_size + 2, dtype=torch.float64
-        )  # pos_correct [B], pos_total [B], accept, blocks
+        self.values = torch.zeros(STATS + 2 * block_size + 2, dtype=torch.float64, device=device)
 
-    def add(self, loss: float, count: float, stats: dict) -> None:
-        self.sums += torch.tensor([loss, count], dtype=torch.float64)
+    def add(self, loss, count: float, stats: dict) -> None:
+        """`loss`: a tensor on the tally's device (or a number); `count`: a number the host knows."""
+        v = self.values
+        if isinstance(loss, torch.Tensor):
+            loss = loss.detach()
+            v[NONFINITE] += loss.isfinite().logical_not()
+        elif not math.isfinite(loss):
+            v[NONFINITE] += 1
+        v[LOSS] += loss
+        v[COUNT] += count
         parts = [stats["pos_correct"], stats["pos_total"], stats["accept"][None], stats["blocks"][None]]
-        self.stats += torch.cat(parts).double().cpu()
+        v[STATS:] += torch.cat(parts).to(v)
 
     def all_sum(self) -> Tally:
-        all_sum(self.sums), all_sum(self.stats)
+        all_sum(self.values)
         return self
 
     @property
     def loss(self) -> float:
-        return float(self.sums[0])
+        return float(self.values[LOSS])
 
     @property
     def count(self) -> float:
-        return float(self.sums[1])
+        return float(self.values[COUNT])
 
     def summary(self, num_losses: int) -> dict:
         """loss (the summed loss over `num_losses`), acc, acc_k and tau (`trainer.loss.summarize`)."""
-        b, v = self.block_size, self.stats
-        stats = {"pos_correct": v[:b], "pos_total": v[b : 2 * b], "accept": v[2 * b], "blocks": v[2 * b + 1]}
-        return summarize(stats, self.loss, num_losses)
+        return summarize_values(self.values.tolist(), self.block_size, num_losses)
+
+
+def summed_over_ranks(tallies: list[Tally]) -> list[list[float]]:
+    """Each tally's values summed over the ranks, on the host: one collective and one copy for all of them (every
+    rank must call it alike)."""
+    return all_sum(torch.stack([t.values for t in tallies])).tolist()
+
+
+def summarize_values(values: list[float], block_size: int, num_losses: int) -> dict:
+    """A tally's values on the host as logged metrics (`trainer.loss.summarize`): the loss sum over `num_losses`."""
+    b, v = block_size, values[STATS:]
+    stats = {"pos_correct": v[:b], "pos_total": v[b : 2 * b], "accept": v[2 * b], "blocks": v[2 * b + 1]}
+    return summarize(stats, values[LOSS], num_losses)
 
 
 class MetricsLog:

@@ -9,12 +9,14 @@ from trainer.loss import block_loss
 from trainer.masks import dense_block_mask, flex_block_mask
 
 
-def attention_mask(batch: Batch, block_size: int, kind: str):
-    """kind: "dense" (bool mask for SDPA; needed for backward on CPU) or "flex" (BlockMask)."""
+def attention_mask(batch: Batch, block_size: int, kind: str, compile_mask: bool | None = None):
+    """kind: "dense" (bool mask for SDPA; needed for backward on CPU) or "flex" (BlockMask, made by a compiled
+    `create_block_mask` where `compile_mask`; None: on CUDA, where the eager one is slow at training sizes)."""
     if kind == "dense":
         return dense_block_mask(batch.anchors, batch.context_len, block_size)
     if kind == "flex":
-        return flex_block_mask(batch.anchors, batch.context_len, block_size, compile=batch.anchors.is_cuda)
+        compile_mask = batch.anchors.is_cuda if compile_mask is None else compile_mask
+        return flex_block_mask(batch.anchors, batch.context_len, block_size, compile=compile_mask)
     raise ValueError(f"attention must be 'dense' or 'flex', got {kind!r}")
 
 
@@ -34,16 +36,27 @@ def forward_loss(
     ce_chunk: int = 1024,
     soft_labels: float = 0.0,
     vocab: torch.Tensor | None = None,
+    compile_mask: bool | None = None,
 ):
     """(loss, stats) for one micro-batch already on the drafter's device; soft_labels > 0 mixes the
     target's top-k distribution into the labels (the batch must carry it); vocab: the loss vocabulary
-    (`block_loss`)."""
-    hidden = draft_hidden(drafter, head, batch, attention_mask(batch, block_size, attention))
+    (`block_loss`; the batch's own `loss_words` where it carries them)."""
+    hidden = draft_hidden(drafter, head, batch, attention_mask(batch, block_size, attention, compile_mask))
     soft = None
     if soft_labels > 0:
         if batch.teacher_ids is None:
             raise ValueError("soft_labels > 0 needs feature stores captured with data.store.teacher_topk > 0")
         soft = (batch.teacher_ids, batch.teacher_probs, soft_labels)
+    words = batch.loss_words if vocab is not None else None
     return block_loss(
-        hidden, head.lm_head.weight, batch.labels, batch.weights, block_size, chunk=ce_chunk, soft=soft, vocab=vocab
+        hidden,
+        head.lm_head.weight,
+        batch.labels,
+        batch.weights,
+        block_size,
+        chunk=ce_chunk,
+        soft=soft,
+        vocab=vocab,
+        rows=batch.loss_rows,
+        words=words,
     )

@@ -35,8 +35,9 @@ from trainer.engine import (
     training_dtype,
 )
 from trainer.loss import default_gamma
-from trainer.metrics import MetricsLog, Tally
+from trainer.metrics import COUNT, LOSS, NONFINITE, MetricsLog, Tally, summarize_values, summed_over_ranks
 from trainer.objective import forward_loss
+from trainer.settings import DeviceSettings, resolve_device_settings
 from trainer.store_verify import MODES, verify_stores
 
 
@@ -46,17 +47,24 @@ class TrainingDiverged(RuntimeError):
 
 @dataclass
 class Process:
-    """Where this process trains: its rank among `world`, its device, its attention kernel and dtype."""
+    """Where this process trains: its rank among `world`, its device-dependent settings, its dtype."""
 
     rank: int
     world: int
-    device: torch.device
-    attention: str
+    settings: DeviceSettings
     dtype: torch.dtype | None = None  # known once the process group is up (`training_dtype`)
 
     @property
+    def device(self) -> torch.device:
+        return self.settings.device
+
+    @property
+    def attention(self) -> str:
+        return self.settings.attention
+
+    @property
     def cuda(self) -> bool:
-        return self.device.type == "cuda"
+        return self.settings.cuda
 
 
 @dataclass
@@ -68,11 +76,22 @@ class Progress:
     global_step: int = 0
     tokens_seen: int = 0
 
-    def advance(self, epoch: int, t: int, num_steps: int, *, tokens: int) -> None:
-        """Step t of the `num_steps` of `epoch` is done, having read `tokens`."""
+    def advance(self, epoch: int, t: int, num_steps: int) -> None:
+        """Step t of the `num_steps` of `epoch` is done (its tokens are added when its sums reach the host)."""
         self.global_step += 1
-        self.tokens_seen += tokens
         self.epoch, self.step_in_epoch = (epoch, t + 1) if t + 1 < num_steps else (epoch + 1, 0)
+
+
+@dataclass
+class StepRecord:
+    """An optimizer step as the host knows it without waiting for the device, whose sums stay there until a sync."""
+
+    epoch: int
+    step: int  # the global step it was, from 1
+    lr: float
+    sums: Tally  # this rank's, on the device
+    seq_ids: list  # this rank's sequences, named if its loss was not finite
+    loader_wait_s: float
 
 
 @dataclass
@@ -107,7 +126,7 @@ def train(cfg: TrainConfig, drafter: DrafterConfig) -> dict:
     target_config = load_config(cfg.target)
     spec = drafter_spec(cfg, drafter, target_config)
     projection = stores_projection(cfg, drafter)  # None: raw features
-    init_distributed(proc.device)
+    init_distributed(proc.settings.dist_backend)
     stores = [*cfg.stores, *(cfg.eval_stores or [])]
     verify_stores(stores, cfg.verify_store, fraction=cfg.verify_sample, rank=proc.rank, world=proc.world)
     data = training_data(cfg, spec, cfg.stores, heldout_fraction=cfg.heldout_fraction, teacher=cfg.soft_labels > 0)
@@ -115,15 +134,13 @@ def train(cfg: TrainConfig, drafter: DrafterConfig) -> dict:
     ckpt_root = Path(cfg.out_dir) / "checkpoints"
     tag = latest_tag(ckpt_root) if cfg.resume else None
     proc.dtype = training_dtype(cfg.dtype, proc.device, resumed=saved_dtype(ckpt_root, tag) if tag else None)
-    eval_data = training_data(cfg, spec, cfg.eval_stores, heldout_fraction=1.0) if cfg.eval_stores else data
-    heldout = eval_data.plan(0, split="heldout", token_budget=cfg.token_budget, world_size=proc.world, rank=proc.rank)
-    if not heldout.steps and is_rank_zero():
-        print(no_eval_note(cfg, eval_data), flush=True)
+    say_settings(cfg, proc, resumed=tag is not None)
+    eval_data, heldout = heldout_plan(cfg, spec, data, proc)
 
     torch.manual_seed(cfg.seed)
     draft_config = projected_config(spec.draft_config(target_config), projection)
     setattr(draft_config, TRAINED_THINKING_KEY, trained_thinking(data.thinking_modes()))  # provenance for the harness
-    model = DFlashDrafter(draft_config)
+    model = DFlashDrafter(draft_config).set_attention_kernels(dense_kv_heads=proc.settings.dense_kv_heads)
     init_weights(model, cfg.init, cfg.target, target_config, projection)
     head = load_frozen_head(cfg.target, dtype=proc.dtype).to(proc.device)
     vocab = loss_vocabulary(data, cfg.loss_vocab, text_config(target_config).vocab_size, proc.device)
@@ -134,37 +151,41 @@ def train(cfg: TrainConfig, drafter: DrafterConfig) -> dict:
     log = open_log(cfg, spec, proc, resume_step=progress.global_step if tag else 0)
     save = partial(save_run, engine, ckpt_root, cfg, draft_config, proc.dtype, projection)
     evaluate = partial(evaluate_heldout, engine, forward, eval_data, heldout, cfg.eval_batches)
+    sync = partial(sync_steps, engine, proc, cfg.grad_accum, progress, ckpt_root)
 
     engine.train()
     bar = progress_bar(cfg, total_steps, progress.global_step)
-    final, good_steps = {}, 0
+    log_every = logged_steps(cfg)
+    final, good_steps, unsynced, since = {}, 0, [], time.perf_counter()
     try:
-        with closing(step_loaders(data, plans, replace(progress), total_steps, cfg, pin_memory=proc.cuda)) as steps:
+        with closing(step_loaders(data, plans, replace(progress), total_steps, cfg, proc.settings)) as steps:
             for epoch, t, num_steps, loader in steps:
-                t0, wait0, lr = time.perf_counter(), loader.wait_s, scheduler.get_last_lr()[0]
-                tally = train_step(engine, forward, loader, cfg.grad_accum, progress, ckpt_root).all_sum()
-                progress.advance(epoch, t, num_steps, tokens=int(tally.count))
-                timing = {"lr": lr, "step_time_s": time.perf_counter() - t0, "loader_wait_s": loader.wait_s - wait0}
-                final = step_metrics(tally, engine, cfg.grad_accum * proc.world, timing, epoch, progress.tokens_seen)
-                good_steps = good_steps + 1 if reached_stop_tau(cfg.stop_tau, final) else 0
-                stopping = good_steps >= max(1, cfg.stop_steps)
-                done = progress.global_step >= total_steps or stopping
-                if every(cfg.log_every, progress.global_step) or done:
-                    log.log(final, progress.global_step)
-                bar.set_postfix(loss=f"{final['loss']:.3f}", tau=f"{final['tau']:.2f}", lr=f"{lr:.2e}")
+                lr, wait0 = scheduler.get_last_lr()[0], loader.wait_s
+                sums, seq_ids = train_step(engine, forward, loader, cfg.grad_accum)
+                progress.advance(epoch, t, num_steps)
+                step, stopping = progress.global_step, False
+                unsynced.append(StepRecord(epoch, step, lr, sums, seq_ids, loader.wait_s - wait0))
                 bar.update(1)
-                if every(cfg.eval_every, progress.global_step):
-                    final.update(log_eval(log, evaluate(), progress.global_step))
-                if every(cfg.checkpoint_every, progress.global_step) or done:
+                logged = every(log_every, step) or step >= total_steps
+                if logged or every(cfg.eval_every, step) or every(cfg.checkpoint_every, step):
+                    final = sync(unsynced, since)  # the one wait for the device (raises where a loss was not finite)
+                    unsynced = []
+                    good_steps = good_steps + 1 if reached_stop_tau(cfg.stop_tau, final) else 0
+                    stopping = good_steps >= max(1, cfg.stop_steps)
+                    bar.set_postfix(loss=f"{final['loss']:.3f}", tau=f"{final['tau']:.2f}", lr=f"{lr:.2e}")
+                if logged or stopping:
+                    log.log(final, step)
+                if every(cfg.eval_every, step):
+                    final.update(log_eval(log, evaluate(), step))
+                if every(cfg.checkpoint_every, step) or step >= total_steps or stopping:
                     last_saved = save(progress)
                 if stopping:
-                    if is_rank_zero():
-                        print(
-                            f"training tau {final['tau']:.2f}: train.stop_tau {cfg.stop_tau:g} reached on "
-                            f"{good_steps} steps in a row at step {progress.global_step}: stopped",
-                            flush=True,
-                        )
+                    say_stopped(cfg, final, good_steps, step)
                     break
+                if not unsynced:
+                    since = time.perf_counter()  # the next steps' time starts after this one's eval and save
+        if unsynced:
+            final = sync(unsynced, since)
         if last_saved != progress.global_step:
             save(progress)
         if not every(cfg.eval_every, progress.global_step):
@@ -179,12 +200,11 @@ def train(cfg: TrainConfig, drafter: DrafterConfig) -> dict:
 
 
 def start_process(cfg: TrainConfig) -> Process:
-    """The distributed environment, the device, and the settings checked before anything is read."""
+    """The distributed environment, the device and its settings, and the settings checked before anything is read."""
     rank, world, local_rank = setup_distributed_env()
-    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
+    settings = resolve_device_settings(cfg, cuda_available=torch.cuda.is_available(), local_rank=local_rank)
+    if settings.cuda:
+        torch.cuda.set_device(settings.device)
     if cfg.dtype not in ("auto", "bfloat16", "float32"):
         raise ValueError(f"train.dtype must be auto, bfloat16 or float32, got {cfg.dtype!r}")
     if not 0.0 <= cfg.soft_labels <= 1.0:
@@ -198,8 +218,35 @@ def start_process(cfg: TrainConfig) -> Process:
             f"train.verify_store must be one of {MODES} (got {cfg.verify_store!r}) and train.verify_sample a share "
             f"in (0, 1] (got {cfg.verify_sample})"
         )
-    attention = cfg.attention if cfg.attention != "auto" else ("flex" if use_cuda else "dense")
-    return Process(rank, world, device, attention)
+    return Process(rank, world, settings)
+
+
+def say_settings(cfg: TrainConfig, proc: Process, *, resumed: bool) -> None:
+    """The device-dependent settings as resolved, once (rank 0)."""
+    if not is_rank_zero():
+        return
+    why = None
+    if cfg.dtype == "auto":
+        why = "auto: the checkpoint's" if resumed else ("auto: CUDA" if proc.cuda else "auto: timed, above")
+    print(proc.settings.describe(proc.dtype, why), flush=True)
+
+
+def logged_steps(cfg: TrainConfig) -> int:
+    """train.log_every, or 1 where train.stop_tau needs every step's tau on the host (said once)."""
+    if cfg.stop_tau is None or cfg.log_every == 1:
+        return cfg.log_every
+    if is_rank_zero():
+        print(f"train.stop_tau is set: every step is logged (train.log_every={cfg.log_every} taken as 1)", flush=True)
+    return 1
+
+
+def say_stopped(cfg: TrainConfig, final: dict, good_steps: int, step: int) -> None:
+    if is_rank_zero():
+        print(
+            f"training tau {final['tau']:.2f}: train.stop_tau {cfg.stop_tau:g} reached on "
+            f"{good_steps} steps in a row at step {step}: stopped",
+            flush=True,
+        )
 
 
 def training_data(cfg: TrainConfig, spec: DraftSpec, stores, *, heldout_fraction: float, teacher: bool = False):
@@ -216,6 +263,16 @@ def training_data(cfg: TrainConfig, spec: DraftSpec, stores, *, heldout_fraction
         heldout_fraction=heldout_fraction,
         teacher=teacher,
     )
+
+
+def heldout_plan(cfg: TrainConfig, spec: DraftSpec, data: TrainingData, proc: Process) -> tuple[TrainingData, Plan]:
+    """The eval data (train.eval_stores, or the held-out part of the training stores) and this rank's plan of it;
+    a plan with nothing in it is said once, here."""
+    eval_data = training_data(cfg, spec, cfg.eval_stores, heldout_fraction=1.0) if cfg.eval_stores else data
+    heldout = eval_data.plan(0, split="heldout", token_budget=cfg.token_budget, world_size=proc.world, rank=proc.rank)
+    if not heldout.steps and is_rank_zero():
+        print(no_eval_note(cfg, eval_data), flush=True)
+    return eval_data, heldout
 
 
 def plan_epochs(data: TrainingData, cfg: TrainConfig, proc: Process) -> tuple[list[Plan], int]:
@@ -236,14 +293,16 @@ def plan_epochs(data: TrainingData, cfg: TrainConfig, proc: Process) -> tuple[li
 
 
 def loss_vocabulary(data: TrainingData, size: int, vocab_size: int, device) -> torch.Tensor | None:
-    """The training softmax's words (train.loss_vocab), or None for the whole vocabulary."""
+    """The training softmax's words (train.loss_vocab), or None for the whole vocabulary. `data`'s batches then carry
+    their own loss words, counted on the host."""
     if 0 < size < vocab_size:
-        return torch.from_numpy(data.frequent_tokens(size, vocab_size)).to(device)
+        data.loss_vocab = data.frequent_tokens(size, vocab_size)
+        return torch.from_numpy(data.loss_vocab).to(device)
     return None
 
 
 def make_engine(model: DFlashDrafter, cfg: TrainConfig, proc: Process, total_steps: int):
-    """(engine, scheduler): DeepSpeed around the drafter, compiled where asked (auto: on GPU)."""
+    """(engine, scheduler): DeepSpeed around the drafter, compiled where the settings say (auto: on GPU)."""
     engine, scheduler = build_engine(
         model,
         lr=cfg.lr,
@@ -256,7 +315,7 @@ def make_engine(model: DFlashDrafter, cfg: TrainConfig, proc: Process, total_ste
         grad_clip=cfg.grad_clip,
         bf16=proc.dtype == torch.bfloat16,
     )
-    if cfg.compile.lower() == "true" or (cfg.compile.lower() == "auto" and proc.cuda):
+    if proc.settings.compile:
         engine.compile(compile_kwargs={"dynamic": True})
     return engine, scheduler
 
@@ -303,7 +362,7 @@ def resume(engine, ckpt_root: Path, tag: str) -> Progress:
 
 
 def step_loaders(
-    data: TrainingData, plans: list[Plan], start: Progress, total_steps: int, cfg: TrainConfig, *, pin_memory: bool
+    data: TrainingData, plans: list[Plan], start: Progress, total_steps: int, cfg: TrainConfig, settings: DeviceSettings
 ):
     """(epoch, step, steps in the epoch, loader) for the steps from `start` up to `total_steps`; one prefetching
     loader an epoch, which yields each step's `grad_accum` micro-batches in turn."""
@@ -320,7 +379,7 @@ def step_loaders(
             epoch,
             workers=cfg.loader_workers,
             depth=cfg.prefetch,
-            pin_memory=pin_memory,
+            pin_memory=settings.pin_memory,
         )
         try:
             for t in range(first, last):
@@ -330,41 +389,54 @@ def step_loaders(
         remaining -= last - first
 
 
-def train_step(engine, forward: Forward, loader, grad_accum: int, progress: Progress, ckpt_root: Path) -> Tally:
-    """One optimizer step over `grad_accum` micro-batches (DeepSpeed steps at the last); this rank's sums."""
-    tally = Tally(forward.block_size)
+def train_step(engine, forward: Forward, loader, grad_accum: int) -> tuple[Tally, list]:
+    """One optimizer step over `grad_accum` micro-batches (DeepSpeed steps at the last): this rank's sums, kept on
+    the device (a loss that is not finite is counted there, and found at the next sync), and its sequences."""
+    tally, seq_ids = Tally(forward.block_size, forward.process.device), []
     for _ in range(grad_accum):
         batch, loss, stats = forward(engine, next(loader))
-        stop_if_diverged(loss, batch, progress, ckpt_root)
         engine.backward(loss)
         engine.step()
-        tally.add(loss.item(), batch.tokens, stats)
-    return tally
+        tally.add(loss, batch.tokens, stats)
+        seq_ids += batch.seq_ids
+    return tally, seq_ids
 
 
-def stop_if_diverged(loss: torch.Tensor, batch, progress: Progress, ckpt_root: Path) -> None:
-    """Every rank stops when any rank's loss is not finite."""
-    bad = all_sum(torch.tensor([0.0 if torch.isfinite(loss).item() else 1.0]))
-    if bad.item():
-        raise TrainingDiverged(
-            f"loss is {loss.item()} at epoch {progress.epoch}, step {progress.global_step + 1} (sequences "
-            f"{batch.seq_ids[:4]}...); stopped; the last good checkpoint is "
-            f"{latest_tag(ckpt_root) or 'none (no checkpoint yet)'} in {ckpt_root}"
-        )
-
-
-def step_metrics(tally: Tally, engine, num_losses: int, timing: dict, epoch: int, tokens_seen: int) -> dict:
-    """A step's logged metrics: the loss's (summed over ranks), lr, grad norm, throughput, timing, position."""
-    gn = engine.get_global_grad_norm()
-    metrics = tally.summary(num_losses)
+def sync_steps(
+    engine, proc: Process, grad_accum: int, progress: Progress, ckpt_root: Path, steps: list[StepRecord], since: float
+) -> dict:
+    """The steps since the last sync brought to the host: the one wait for the device every train.log_every steps.
+    Every rank calls it alike: one collective of every step's sums and the grad norm, one copy to the host. Stops
+    every rank (TrainingDiverged) where a loss was not finite; else adds the steps' tokens to `progress` and returns
+    the last step's metrics (the loss's summed over the ranks; time and throughput over the steps since `since`)."""
+    width = steps[-1].sums.values.numel()
+    sums = torch.stack([s.sums.values for s in steps]).flatten()
+    norm = engine.get_global_grad_norm()  # the last step's, the same on every rank: rank 0's is summed
+    on_device = isinstance(norm, torch.Tensor)
+    extra = norm.detach().double().reshape(1).to(sums.device) if on_device and proc.rank == 0 else sums.new_zeros(1)
+    host = all_sum(torch.cat([sums, extra])).tolist()
+    rows = [host[i * width : (i + 1) * width] for i in range(len(steps))]
+    grad_norm = host[-1] if on_device else (float(norm) if norm is not None else math.nan)
+    for record, row in zip(steps, rows):
+        if row[NONFINITE]:
+            raise TrainingDiverged(
+                f"loss is {row[LOSS]} at epoch {record.epoch}, step {record.step} (this rank's sequences "
+                f"{record.seq_ids[:4]}...; found at step {steps[-1].step}, where the losses since the last sync reach "
+                f"the host); stopped; the last good checkpoint is "
+                f"{latest_tag(ckpt_root) or 'none (no checkpoint yet)'} in {ckpt_root}"
+            )
+    tokens = sum(row[COUNT] for row in rows)
+    progress.tokens_seen += int(tokens)
+    elapsed, last = time.perf_counter() - since, steps[-1]
+    metrics = summarize_values(rows[-1], last.sums.block_size, grad_accum * proc.world)
     metrics.update(
-        lr=timing["lr"],
-        grad_norm=float(gn) if gn is not None else math.nan,
-        tokens_per_s=tally.count / timing["step_time_s"],
-        step_time_s=timing["step_time_s"],
-        loader_wait_s=timing["loader_wait_s"],
-        epoch=epoch,
-        tokens_seen=tokens_seen,
+        lr=last.lr,
+        grad_norm=grad_norm,
+        tokens_per_s=tokens / elapsed,
+        step_time_s=elapsed / len(steps),
+        loader_wait_s=sum(s.loader_wait_s for s in steps) / len(steps),
+        epoch=last.epoch,
+        tokens_seen=progress.tokens_seen,
     )
     return metrics
 
@@ -374,15 +446,15 @@ def evaluate_heldout(engine, forward: Forward, data: TrainingData, heldout: Plan
     if not heldout.steps:
         return {}
     engine.eval()
-    tally = Tally(forward.block_size)
+    tally = Tally(forward.block_size, forward.process.device)
     with torch.no_grad():
         for microbatches in heldout.steps[:max_steps]:
             for indices in microbatches:
                 _, loss, stats = forward(engine, data.batch(indices, 0), training=False)
-                tally.add(loss.item(), 1.0, stats)
+                tally.add(loss, 1, stats)
     engine.train()
-    tally.all_sum()
-    return {f"eval/{k}": v for k, v in tally.summary(int(tally.count)).items()}
+    (values,) = summed_over_ranks([tally])  # one wait for the device
+    return {f"eval/{k}": v for k, v in summarize_values(values, forward.block_size, int(values[COUNT])).items()}
 
 
 def no_eval_note(cfg: TrainConfig, eval_data: TrainingData) -> str:
