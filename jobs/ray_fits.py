@@ -21,7 +21,8 @@ def capture_request(overrides: list[str]) -> tuple[int, float, float]:
     from entry import compose, typed_config
 
     c = typed_config(compose(overrides)).cluster
-    return c.num_actors, c.cpus_per_actor, c.gpus_per_actor
+    cpus = 1.0 if str(c.cpus_per_actor) == "auto" else float(c.cpus_per_actor)  # auto on a Ray cluster: 1
+    return c.num_actors, cpus, c.gpus_per_actor
 
 
 def actors_that_fit(nodes: list[dict], cpus: float, gpus: float) -> int:

@@ -25,14 +25,14 @@ from omegaconf import DictConfig  # noqa: E402
 from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
 from entry import compose, register_configs, typed_config  # noqa: E402
-from flashdraft.config import Config, DataConfig, source_figures, thinking_setting  # noqa: E402
+from flashdraft.config import Config, DataConfig, source_figures, switch_setting, thinking_setting  # noqa: E402
 from flashdraft.prompts import PromptSourceUnavailable  # noqa: E402
 from flashdraft.spec import capture_layer_ids, check_layer_ids, default_layer_ids  # noqa: E402
 from flashdraft.store import StoreError, StoreLayout, verify_store  # noqa: E402
 from flashdraft.store.lock import writer_lock  # noqa: E402
 from flashdraft.store.projection import split_store_options  # noqa: E402
 from flashdraft.store.repair import drop_missing_shards  # noqa: E402
-from pipeline.fleet import FleetConfig, run_fleet  # noqa: E402
+from pipeline.fleet import FleetConfig, local_gpus, run_fleet  # noqa: E402
 from pipeline.job import (  # noqa: E402
     estimate,
     figures_row,
@@ -84,14 +84,35 @@ def settings_from(cfg: Config, offline_ok: bool = False) -> CaptureSettings:
         batch_size=auto_or_int(d.batch_size, "data.batch_size"),
         prefill_tokens=auto_or_int(d.prefill_tokens, "data.prefill_tokens"),
         writer_threads=auto_or_int(d.writer_threads, "data.writer_threads"),
+        overlap=switch_setting(d.overlap, "data.overlap"),
+        staged_copies=switch_setting(d.staged_copies, "data.staged_copies"),
         gpu_memory_fraction=d.gpu_memory_fraction,
         sampling=d.sampling,
         seed=cfg.seed,
         system_prompt=m.chat.system_prompt,
         **thinking_settings(m.chat.enable_thinking, d.thinking, d.thinking_share),
         trust_remote_code=cfg.trust_remote_code,
-        torch_threads=int(max(1, cfg.cluster.cpus_per_actor)),
+        torch_threads=int(max(1, cpus_per_actor(cfg)[0])),
     )
+
+
+def cpus_per_actor(cfg: Config) -> tuple[float, str]:
+    """(cluster.cpus_per_actor, why): as set, or auto: where the capture runs on this machine's GPUs, its CPUs shared
+    by one actor a GPU (the decode loop takes one, the shard writers the others: data.writer_threads auto); on a CPU,
+    or on a Ray cluster (whose nodes this machine does not know: conf/cluster/ray.yaml and slurm.yaml set it), 1."""
+    value = cfg.cluster.cpus_per_actor
+    if str(value) != "auto":
+        try:
+            return float(value), "cluster.cpus_per_actor"
+        except (TypeError, ValueError):
+            raise ValueError(f"cluster.cpus_per_actor must be a number or auto, got {value!r}") from None
+    if cfg.cluster.ray_address:
+        return 1.0, "cluster.cpus_per_actor=auto on a Ray cluster (cluster.ray_address set)"
+    gpus = local_gpus(cfg.device)
+    if not gpus:
+        return 1.0, "cluster.cpus_per_actor=auto on CPU"
+    cpus = len(os.sched_getaffinity(0))
+    return float(max(1, cpus // gpus)), f"cluster.cpus_per_actor=auto: {cpus} CPUs shared by {gpus} GPU(s)' actors"
 
 
 def thinking_settings(enable_thinking, thinking, share) -> dict:
@@ -104,9 +125,12 @@ def thinking_settings(enable_thinking, thinking, share) -> dict:
 
 def fleet_from(cfg: Config) -> FleetConfig:
     c = cfg.cluster
+    cpus, why = cpus_per_actor(cfg)
+    if why != "cluster.cpus_per_actor":
+        print(f"{cpus:g} CPUs a capture actor: {why}", file=sys.stderr, flush=True)
     return FleetConfig(
         num_actors=auto_or_int(c.num_actors, "cluster.num_actors"),
-        cpus_per_actor=c.cpus_per_actor,
+        cpus_per_actor=cpus,
         gpus_per_actor="auto" if str(c.gpus_per_actor) == "auto" else float(c.gpus_per_actor),
         ray_address=c.ray_address,
         shard_size=cfg.data.shard_size,

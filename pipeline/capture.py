@@ -101,18 +101,21 @@ def regenerate_stream(
     prefill_tokens: int | None = None,
     overlap: bool | None = None,
     project=None,
+    staged_copies: bool | None = None,
 ):
     """`regenerate` as a generator of (prompt index, Captured), each yielded the step its sequence ends; nothing
     is kept once yielded, so the caller's memory stays bounded by the batch, not by the number of prompts.
     `prefill_tokens`: the prompts joining the batch are prefilled in groups of at most this many tokens, padding
     included (`token_batches`); None: all together. `overlap`: read each step's results while the next one runs
-    (`ContinuousDecode`; None: on CUDA). `project`: a store's basis, applied on the device (`LayerTap`)."""
+    (`ContinuousDecode`; None: on CUDA). `project`: a store's basis, applied on the device (`LayerTap`).
+    `staged_copies`: the device-to-host copies through fresh host buffers behind an event (`HostCopy`; None: on
+    CUDA)."""
     from pipeline.decode import ContinuousDecode  # here: it builds on this module's pieces
 
     limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     sampling = sampling or SamplingConfig()
     decode = ContinuousDecode(
-        model, layer_ids, stop_ids, pad_id, sampling, generator, teacher_topk, overlap, project=project
+        model, layer_ids, stop_ids, pad_id, sampling, generator, teacher_topk, overlap, project, staged_copies
     )
     decode.add(prompts, limits)
     yield from decode.run(batch_size or max(1, len(prompts)), prefill_tokens)

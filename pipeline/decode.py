@@ -7,25 +7,28 @@ serves and the tokens, features and teacher rows of its sequence so far. Prompts
 a capture worker adds the next task's prompts before the current task's have all ended.
 
 A step is launched (forward, next tokens, the device-to-host copies of what the host needs queued: `_launch`) and
-its results are read on the host afterwards (`_collect`). With `overlap` (the default on CUDA) a step's results are
-read once the next step is launched, so the host's bookkeeping runs while the device computes; a sequence that ends
-is then fed one step more, whose results are dropped. Nothing in a step loops over rows in Python or waits for the
-device, except the wait for the copies of the step being read. Ended slots are refilled by joining prompts; with
-none waiting they are removed once `refill_at` have gathered (the one scheduled whole-cache copy).
+its results are read on the host afterwards (`_collect`). With `overlap` (`data.overlap`; auto: on CUDA) a step's
+results are read once the next step is launched, so the host's bookkeeping runs while the device computes; a
+sequence that ends is then fed one step more, whose results are dropped. Anything that adds or removes slots
+(admitting prompts, compacting) first reads the pending step, whose results are laid out by the slots it was launched
+over. Nothing in a step loops over rows in Python or waits for the device, except the wait for the copies of the
+step being read. Ended slots are refilled by joining prompts; with none waiting they are removed once `refill_at`
+have gathered (the one scheduled whole-cache copy). `staged_copies` (`data.staged_copies`; auto: on CUDA): the
+device-to-host copies go through fresh (pinned, on CUDA) host buffers behind an event (`HostCopy`).
 """
 
 from __future__ import annotations
 
-import math
 from collections import deque
 
 import torch
 from transformers import DynamicCache
 
 from flashdraft.target.capture import LayerTap
-from pipeline.capture import Captured, check_finite, left_pad, pick_tokens, token_batches
+from pipeline.capture import left_pad, pick_tokens, token_batches
 from pipeline.hostcopy import HostCopy
 from pipeline.slotcache import SlotCache
+from pipeline.slotrows import SlotRows
 
 # the per-slot state on the device: name -> dtype
 STATE = {
@@ -42,12 +45,23 @@ class ContinuousDecode:
     """`add` prompts, then iterate `run` for (prompt index, Captured) as sequences end."""
 
     def __init__(
-        self, model, layer_ids, stop_ids, pad_id, sampling, generator, teacher_topk, overlap=None, project=None
+        self,
+        model,
+        layer_ids,
+        stop_ids,
+        pad_id,
+        sampling,
+        generator,
+        teacher_topk,
+        overlap=None,
+        project=None,
+        staged_copies=None,
     ):
         self.model, self.layer_ids, self.project = model, layer_ids, project
         self.pad_id, self.sampling, self.generator, self.teacher_topk = pad_id, sampling, generator, teacher_topk
         self.device = next(model.parameters()).device
-        self.overlap = self.device.type == "cuda" if overlap is None else overlap
+        self.overlap = default_overlap(self.device) if overlap is None else overlap
+        self.staged = staged_copies
         self.stops = torch.as_tensor(stop_ids or [-1], device=self.device)
         self.prompts: list[list[int]] = []
         self.limits: list[int] = []
@@ -75,6 +89,9 @@ class ContinuousDecode:
         while True:
             live = self.host.live_count()
             if self.waiting and (batch_size - live >= refill_at or not live):
+                # an admission adds slots or refills them: the pending step is read against the slots it fed first
+                yield from self._collect_pending()
+                live = self.host.live_count()
                 joining = [self.waiting.popleft() for _ in range(min(batch_size - live, len(self.waiting)))]
                 for group in token_batches([len(self.prompts[i]) for i in joining], prefill_tokens):
                     self._admit([joining[g] for g in group])
@@ -127,7 +144,7 @@ class ContinuousDecode:
         # out of place: a launched step's copies may still read the old tensors
         self.state = {name: x.index_put((slots,), new[name]) for name, x in self.state.items()}
         top = _device_topk(out.logits[:, -1], self.teacher_topk) if self.teacher_topk else {}
-        host = HostCopy(self.device, feats=prompt_feats, **top).wait()
+        host = HostCopy(self.device, self.staged, feats=prompt_feats, **top).wait()
         self.host.admit(slots.tolist(), joining, [self.prompts[i] for i in joining], host)
         self._trim()
 
@@ -160,7 +177,7 @@ class ContinuousDecode:
         stopped, lengths = torch.isin(tok, self.stops), s["lengths"] + 1
         self.state = dict(s, tok=tok, pos=s["pos"] + 1, lengths=lengths, stopped=stopped)
         self.state["ending"] = stopped | (lengths >= s["limits"])
-        return HostCopy(self.device, feats=feats[:, 0], **fed), self.host.snapshot()
+        return HostCopy(self.device, self.staged, feats=feats[:, 0], **fed), self.host.snapshot()
 
     def _collect(self, launched: HostCopy, rows: tuple):
         """Record a launched step's results into the slots that still hold the sequences it fed; yield the
@@ -188,109 +205,12 @@ class ContinuousDecode:
             self.mask = self.mask[:, lead:]
 
 
+def default_overlap(device: torch.device) -> bool:
+    """`data.overlap` auto: on where the device runs ahead of the host (CUDA); on a CPU the host is the device."""
+    return torch.device(device).type == "cuda"
+
+
 def _device_topk(logits: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
     """[B, V] logits -> ids and log-probs [B, k] of the k most likely next tokens, where the logits are."""
     top = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
     return {"top_ids": top.indices, "top_logp": top.values}
-
-
-class SlotRows:
-    """The host side of the slots: the prompt each serves (None: ended), a version that changes when a slot is
-    refilled, and per slot the tokens, features and teacher rows of its sequence so far, in buffers
-    [slots, capacity, ...] that a step writes with one indexed copy each."""
-
-    def __init__(self, teacher_topk: int):
-        self.k = teacher_topk
-        self.prompt: list[int | None] = []
-        self.prompt_len: list[int] = []
-        self.live = torch.zeros(0, dtype=torch.bool)
-        self.version = torch.zeros(0, dtype=torch.long)
-        self.wpos = torch.zeros(0, dtype=torch.long)  # rows written so far, per slot
-        self.buf: dict[str, torch.Tensor] = {}
-
-    def live_count(self) -> int:
-        return int(self.live.sum())
-
-    def dead_count(self) -> int:
-        return len(self.live) - self.live_count()
-
-    def dead_slots(self) -> list[int]:
-        return (~self.live).nonzero()[:, 0].tolist()
-
-    def snapshot(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(live, version) of the slots when a step is launched."""
-        return self.live.clone(), self.version.clone()
-
-    def add_slots(self, n: int) -> None:
-        self.prompt += [None] * n
-        self.prompt_len += [0] * n
-        self.live, self.version, self.wpos = (
-            torch.cat([x, x.new_zeros(n)]) for x in (self.live, self.version, self.wpos)
-        )
-        self.buf = {name: torch.cat([b, b.new_zeros(n, *b.shape[1:])]) for name, b in self.buf.items()}
-
-    def keep_live(self) -> list[int]:
-        """Drop the ended slots; returns the slots kept, in order."""
-        keep = self.live.nonzero()[:, 0].tolist()
-        self.prompt = [self.prompt[s] for s in keep]
-        self.prompt_len = [self.prompt_len[s] for s in keep]
-        self.live, self.version, self.wpos = self.live[keep], self.version[keep], self.wpos[keep]
-        self.buf = {name: b[keep] for name, b in self.buf.items()}
-        return keep
-
-    def _ensure(self, rows: int, feats: torch.Tensor) -> None:
-        """Buffers that hold at least `rows` rows a slot (`feats`: a features tensor, for its width and dtype)."""
-        if not self.buf:
-            n, specs = len(self.live), {"tokens": ((), torch.long), "feats": ((feats.shape[-1],), feats.dtype)}
-            if self.k:
-                specs |= {"top_ids": ((self.k,), torch.long), "top_logp": ((self.k,), torch.float32)}
-            self.buf = {name: torch.zeros(n, 0, *shape, dtype=dtype) for name, (shape, dtype) in specs.items()}
-        cap = self.buf["tokens"].shape[1]
-        if rows > cap:
-            more = max(rows, int(cap * 1.5) + 64) - cap
-            self.buf = {
-                name: torch.cat([b, b.new_zeros(len(b), more, *b.shape[2:])], 1) for name, b in self.buf.items()
-            }
-
-    def admit(self, slots: list[int], joining: list[int], prompts: list[list[int]], host: dict) -> None:
-        """Joining prompts into `slots`: their tokens, prompt features (rows of a left-padded prefill) and teacher rows
-        (none before the last prompt token; the last one's top-k predicts the first response token)."""
-        feats = host["feats"]
-        self._ensure(max(len(p) for p in prompts) + 1, feats)
-        width = feats.shape[1]
-        for r, (s, i, p) in enumerate(zip(slots, joining, prompts)):
-            n = len(p)
-            self.prompt[s], self.prompt_len[s] = i, n
-            self.live[s], self.wpos[s] = True, n
-            self.version[s] += 1
-            self.buf["tokens"][s, :n] = torch.as_tensor(p, dtype=torch.long)
-            self.buf["feats"][s, :n] = feats[r, width - n :]
-            if self.k:
-                self.buf["top_ids"][s, : n - 1], self.buf["top_logp"][s, : n - 1] = 0, -math.inf
-                self.buf["top_ids"][s, n - 1], self.buf["top_logp"][s, n - 1] = host["top_ids"][r], host["top_logp"][r]
-
-    def record(self, rows: tuple[torch.Tensor, torch.Tensor], host: dict) -> list[tuple[int, int, Captured]]:
-        """A step's results into the slots that held the same sequences when it was launched and still do; returns
-        (slot, prompt index, Captured) of each sequence that ended with it (its slot is free from then on)."""
-        launched_live, launched_version = rows
-        write = (launched_live & self.live & (launched_version == self.version)).nonzero()[:, 0]
-        if not len(write):
-            return []
-        at = self.wpos[write]
-        self._ensure(int(at.max()) + 1, host["feats"])
-        self.buf["tokens"][write, at] = host["tok"][write]
-        for name in ("feats", "top_ids", "top_logp") if self.k else ("feats",):
-            self.buf[name][write, at] = host[name][write]
-        self.wpos[write] += 1
-        ended = write[host["end"][write]].tolist()
-        done = [(s, self.prompt[s], self._captured(s, bool(host["stop"][s]))) for s in ended]
-        for s in ended:
-            self.prompt[s], self.live[s] = None, False
-        return done
-
-    def _captured(self, s: int, finished: bool) -> Captured:
-        n, p = int(self.wpos[s]), self.prompt_len[s]
-        features = self.buf["feats"][s, :n].clone()
-        check_finite(features, f"prompt {self.prompt[s]}")
-        top = (self.buf["top_ids"][s, :n].clone(), self.buf["top_logp"][s, :n].clone()) if self.k else None
-        return Captured(self.buf["tokens"][s, :n].clone(), torch.arange(n) >= p, features, finished, top)

@@ -63,6 +63,7 @@ class Summary:
     shards_done: int = 0
     shards_skipped: int = 0  # prompts already committed by earlier runs
     failed: list = field(default_factory=list)  # {"shard", "attempts", "error"}
+    retried: list = field(default_factory=list)  # failed attempts queued again: {"shard", "attempt", "error"}
     stopped: str = ""  # why the run stopped before its last task (a full disk), else ""
     not_run: int = 0  # tasks never started because the run stopped
     left_alone: list = field(default_factory=list)  # shards found on disk, not listed, and not adopted: why
@@ -122,6 +123,8 @@ class Summary:
             *self.account_lines(),
         ]
         out += [f"  left alone: {why}" for why in self.left_alone]
+        for r in self.retried:
+            out.append(f"  retried shard {r['shard']} after attempt {r['attempt']} failed: {r['error'][:300]}")
         for f in self.failed:
             out.append(f"  FAILED shard {f['shard']} after {f['attempts']} attempt(s): {f['error']}")
         if self.stopped:
@@ -288,9 +291,10 @@ class _Bookkeeper:
             self.stop(f"disk full at shard {task.name} (above)")
             retry = False
         attempts = task.attempt + 1
-        if retry and attempts < self.fleet.max_attempts:
-            return replace(task, attempt=attempts)
         error = f"{type(error).__name__}: {error}"[:2000]
+        if retry and attempts < self.fleet.max_attempts:
+            self.summary.retried.append({"shard": task.name, "attempt": attempts, "error": error})
+            return replace(task, attempt=attempts)
         self.summary.failed.append(
             {"shard": task.name, "attempts": attempts, "error": error, "sequences": len(task.records)}
         )
@@ -386,14 +390,14 @@ def resolve_actors(fleet: FleetConfig, device: str, gpus: float) -> tuple[FleetC
 def _run_ray(store_path, settings, tasks, fleet: FleetConfig, book: _Bookkeeper, records=()) -> None:
     import ray
 
-    local, _ = resolve_actors(fleet, settings.device, _local_gpus(settings.device))
+    local, _ = resolve_actors(fleet, settings.device, local_gpus(settings.device))
     with _ray_up(replace(fleet, num_actors=local.num_actors)):
         fleet, line = resolve_actors(fleet, settings.device, ray.cluster_resources().get("GPU", 0))
         print(line, file=sys.stderr, flush=True)
         _drive_actors(store_path, settings, tasks, fleet, book, records)
 
 
-def _local_gpus(device: str) -> int:
+def local_gpus(device: str) -> int:
     """The GPUs of this machine that torch sees (a local Ray finds the same)."""
     if device == "cpu":
         return 0
@@ -496,7 +500,14 @@ def _finish(store_path: Path, writer: StoreWriter, summary: Summary, load_reject
     summary.rejects = dict(Counter(reject_reason_class(r["reason"]) for r in rejects))
     last_run = {"finished": time.strftime("%Y-%m-%dT%H:%M:%S"), "wall_s": round(summary.wall_s, 2)}
     try:
-        writer.update(last_run={**last_run, "failed_shards": summary.failed, "rejects": summary.rejects})
+        writer.update(
+            last_run={
+                **last_run,
+                "failed_shards": summary.failed,
+                "retried": summary.retried,
+                "rejects": summary.rejects,
+            }
+        )
     except StoreError as e:
         _not_recorded(summary, "last_run", e)
 

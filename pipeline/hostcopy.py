@@ -1,9 +1,11 @@
 """Tensors of one decode step on their way to the host, without stopping the device.
 
-On CUDA each tensor is copied into pinned host memory with `non_blocking=True` (torch's caching host allocator
-reuses the pinned blocks once their copies are done) and an event is recorded after the copies: the host reads them
-after `wait()`, which waits for this step's copies only, so the device can already run the steps queued after it.
-On a CPU the same code path hands the tensors over as they are (they are host memory already; nothing to wait for).
+Staged (`data.staged_copies`; auto: on CUDA), each tensor is copied into a fresh host buffer with
+`non_blocking=True`, pinned where the device is CUDA (torch's caching host allocator reuses the pinned blocks once
+their copies are done), and an event is recorded after the copies: the host reads them after `wait()`, which waits for
+this step's copies only, so the device can already run the steps queued after it. On a CPU a staged copy is a plain
+copy into a new buffer (pinning and the event have no meaning there): the path CUDA takes, run where CI can run it.
+Not staged, tensors already on the host are handed over as they are, and others copied with a blocking `.cpu()`.
 """
 
 from __future__ import annotations
@@ -11,11 +13,18 @@ from __future__ import annotations
 import torch
 
 
-class HostCopy:
-    """`HostCopy(device, name=tensor, ...)`; `wait()` returns {name: host tensor}."""
+def default_staged(device: torch.device) -> bool:
+    """`data.staged_copies` auto: on CUDA, where a copy can run behind the device's queue."""
+    return torch.device(device).type == "cuda"
 
-    def __init__(self, device: torch.device, **tensors: torch.Tensor):
-        self.pinned = device.type == "cuda"
+
+class HostCopy:
+    """`HostCopy(device, staged, name=tensor, ...)`; `wait()` returns {name: host tensor}. `staged` None: auto."""
+
+    def __init__(self, device: torch.device, staged: bool | None = None, **tensors: torch.Tensor):
+        device = torch.device(device)
+        self.staged = default_staged(device) if staged is None else staged
+        self.pinned = self.staged and device.type == "cuda"
         self.host = {name: self._to_host(t) for name, t in tensors.items()}
         self.event = None
         if self.pinned:
@@ -23,8 +32,8 @@ class HostCopy:
             self.event.record()
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
-        if t.device.type == "cpu":
-            return t
+        if not self.staged:
+            return t.cpu()  # the tensor itself when it is on the host already
         buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pinned)
         buf.copy_(t, non_blocking=self.pinned)
         return buf

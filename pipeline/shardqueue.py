@@ -4,9 +4,10 @@
 the decode loop: back-pressure, so host memory holds at most `queue_items` sequences waiting to be written) and one
 thread takes them out in order, converts the features to the stored dtype and, every write block, compresses the
 block's inner chunks on a shared thread pool (the `pool` of `ShardWriter`). Each shard still has exactly one
-writer, and commits as before: `commit` waits for the queue to empty, then flushes, fsyncs and renames on the
-caller's thread; an error in the writing thread (a full disk) is raised in the caller at its next call, and the
-shard's temporary folder is deleted, as `ShardWriter` does.
+writer, and commits as before, in its own thread too: `start_commit` queues the commit (flush, fsync, rename) behind
+what is queued and returns, so the decode loop can go on while the disk syncs; `commit` (or `finish_commit` after
+`start_commit`) waits for it and returns the shard's manifest entry. An error in the writing thread (a full disk) is
+raised in the caller at its next call, and the shard's temporary folder is deleted, as `ShardWriter` does.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class BackgroundShard:
         self.name = name
         self._queue: queue.Queue = queue.Queue(maxsize=queue_items)
         self._error: BaseException | None = None
+        self._entry: dict | None = None  # the committed shard's manifest entry
         self._thread = threading.Thread(target=self._drain, name=f"shard-{name}", daemon=True)
         self._thread.start()
 
@@ -34,7 +36,9 @@ class BackgroundShard:
             if self._error is None:  # after an error, what is still queued is dropped
                 method, args, kwargs = item
                 try:
-                    getattr(self.writer, method)(*args, **kwargs)
+                    result = getattr(self.writer, method)(*args, **kwargs)
+                    if method == "commit":
+                        self._entry = result
                 except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
                     self._error = e
 
@@ -63,11 +67,28 @@ class BackgroundShard:
             self._queue.put(_DONE)
             self._thread.join()
 
-    def commit(self) -> dict:
-        """Write what is queued, then commit the shard (`ShardWriter.commit`); returns its manifest entry."""
-        self._stop()
+    def start_commit(self) -> None:
+        """Queue the commit (`ShardWriter.commit`) behind what is queued; the writing thread ends with it."""
+        self._put("commit")
+        self._queue.put(_DONE)
+
+    def committing(self) -> bool:
+        """Whether the writing thread is still at work (after `start_commit`: the commit is not done)."""
+        return self._thread.is_alive()
+
+    def finish_commit(self) -> dict:
+        """Wait for the commit `start_commit` queued; returns the shard's manifest entry."""
+        self._thread.join()
         self._raise()
-        return self.writer.commit()
+        if self._entry is None:
+            raise RuntimeError(f"shard {self.name}: its writing thread ended without committing")
+        return self._entry
+
+    def commit(self) -> dict:
+        """Write what is queued, then commit the shard (`ShardWriter.commit`) in the writing thread; returns its
+        manifest entry."""
+        self.start_commit()
+        return self.finish_commit()
 
     def abort(self) -> None:
         """Drop what is queued, delete the temporary shard."""

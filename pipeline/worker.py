@@ -34,7 +34,8 @@ from flashdraft.target import (
 )
 from flashdraft.target.memory import decode_rows, prefill_token_budget
 from pipeline.capture import Captured, capture, regenerate_stream, token_batches
-from pipeline.decode import ContinuousDecode
+from pipeline.decode import ContinuousDecode, default_overlap
+from pipeline.hostcopy import default_staged
 from pipeline.shardqueue import BackgroundShard
 from pipeline.turns import Conversation, regenerate_conversations, user_turns
 
@@ -70,6 +71,8 @@ class CaptureSettings:
     torch_threads: int | None
     # threads writing shards off the decode loop (0: in the decode loop), or auto (`CaptureWorker.writer_threads`)
     writer_threads: int | str = "auto"
+    overlap: bool | None = None  # read each decode step while the next runs (data.overlap); None: auto (on CUDA)
+    staged_copies: bool | None = None  # the decode's host copies staged (data.staged_copies); None: auto (on CUDA)
 
     def __post_init__(self):
         if self.mode not in ("regenerate", "capture"):
@@ -92,7 +95,8 @@ class CaptureSettings:
         """The settings that define what a store holds (a resumed run must match them)."""
         d = asdict(self)
         # how and where the work runs, not what it computes; the target is identified by its fingerprint
-        for k in ("device", "batch_size", "prefill_tokens", "gpu_memory_fraction", "torch_threads", "writer_threads"):
+        how = ("device", "batch_size", "prefill_tokens", "gpu_memory_fraction", "torch_threads", "writer_threads")
+        for k in (*how, "overlap", "staged_copies"):
             d.pop(k)
         for k in ("trust_remote_code", "target"):
             d.pop(k)
@@ -140,6 +144,18 @@ class _TaskRun:
         self.shard.append(seq_id, out.input_ids, out.loss_mask, out.features, out.teacher, self.thinking_of(seq_id))
 
 
+def writer_threads(setting: int | str, device: torch.device, cpu_threads: int) -> tuple[int, str]:
+    """(threads writing shards, why): data.writer_threads, or auto: on a GPU every CPU thread of the worker
+    (`cpu_threads`: its torch threads, cluster.cpus_per_actor) but the decode loop's, so the host's work overlaps the
+    device's; on a CPU 0, shards written in the decode loop (torch's threads compute the decode on every core; a
+    writing thread would compete with them)."""
+    if setting != "auto":
+        return setting, "data.writer_threads"
+    if torch.device(device).type == "cuda":
+        return max(1, cpu_threads - 1), f"auto on a GPU: the worker's {cpu_threads} CPU thread(s) but the decode loop's"
+    return 0, "auto on CPU"
+
+
 class CaptureWorker:
     def __init__(self, store_path: str, settings: CaptureSettings):
         self.store_path, self.s = str(store_path), settings
@@ -159,14 +175,17 @@ class CaptureWorker:
         self.default_thinking = template_default_thinking(self.tokenizer)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (self.stop_ids[0] if self.stop_ids else 0)
-        self.batch_size, self.prefill_tokens, lines = self.budgets()
-        self.threads, why = self.writer_threads()
+        on_gpu = self.model.device.type == "cuda"
+        free = torch.cuda.mem_get_info(self.model.device)[0] if on_gpu else None
+        self.batch_size, self.prefill_tokens, lines = self.budgets(free)
+        self.threads, why = writer_threads(settings.writer_threads, self.model.device, torch.get_num_threads())
         # 0: written in the decode loop; 1: in each shard's own writing thread; more: a pool the shards' threads share
         self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shard-encode") if self.threads > 1 else None
         if self.threads:
             lines.append(f"shard writing off the decode loop: {self.threads} compression thread(s): {why}")
         else:
             lines.append(f"shard writing in the decode loop: {why}")
+        self.overlap, self.staged = self.decode_switches(lines)
         self._decode: ContinuousDecode | None = None  # the greedy decode, shared by consecutive tasks
         self._stream = None  # its running generator
         self._owner: dict[int, tuple[_TaskRun, int]] = {}  # decode index -> (task run, index into its encoded)
@@ -175,22 +194,24 @@ class CaptureWorker:
         for line in lines:
             print(f"capture worker {os.getpid()}: {line}", file=sys.stderr, flush=True)
 
-    def writer_threads(self) -> tuple[int, str]:
-        """(threads writing shards, why): data.writer_threads, or auto: on a GPU every CPU thread of the worker but
-        the decode loop's (the host's work overlaps the device's); on a CPU 0, shards written in the decode loop
-        (torch's threads compute the decode on every core; a writing thread would compete with them)."""
-        if self.s.writer_threads != "auto":
-            return self.s.writer_threads, "data.writer_threads"
-        if self.model.device.type == "cuda":
-            return max(1, torch.get_num_threads() - 1), "auto on a GPU"
-        return 0, "auto on CPU"
+    def decode_switches(self, lines: list[str]) -> tuple[bool, bool]:
+        """(overlap, staged copies) of the decode: data.overlap and data.staged_copies, auto by the device (on CUDA,
+        where the device runs ahead of the host); a line each saying which and why goes to `lines`."""
+        device = self.model.device
+        overlap = default_overlap(device) if self.s.overlap is None else self.s.overlap
+        staged = default_staged(device) if self.s.staged_copies is None else self.s.staged_copies
+        switches = (("overlap", overlap, self.s.overlap), ("staged copies", staged, self.s.staged_copies))
+        for key, value, given in switches:
+            name = "data." + key.replace(" ", "_")
+            why = f"{name}={'on' if given else 'off'}" if given is not None else f"{name}=auto on {device.type}"
+            lines.append(f"decode {key} {'on' if value else 'off'}: {why}")
+        return overlap, staged
 
-    def budgets(self) -> tuple[int, int | None, list[str]]:
+    def budgets(self, free: int | None) -> tuple[int, int | None, list[str]]:
         """(decode rows, prefill token budget or None for unlimited, one line each saying why). `auto` on a GPU is
-        sized from the memory free once the target is loaded (flashdraft.target.memory); on a CPU it is a fixed
-        default: CPU_BATCH_SIZE rows; in capture mode CPU_PREFILL_TOKENS tokens a prefill, in regenerate mode the
-        joining prompts prefilled together, unsplit."""
-        free = torch.cuda.mem_get_info(self.model.device)[0] if self.model.device.type == "cuda" else None
+        sized from `free`, the GPU memory free once the target is loaded (flashdraft.target.memory); on a CPU (`free`
+        None) it is a fixed default: CPU_BATCH_SIZE rows; in capture mode CPU_PREFILL_TOKENS tokens a prefill, in
+        regenerate mode the joining prompts prefilled together, unsplit."""
         prefill, prefill_line = self._prefill_budget(free)
         if self.s.mode == "capture":
             return 1, prefill, [prefill_line]
@@ -378,7 +399,7 @@ class CaptureWorker:
                     current.store(conv.record.seq_id, out)
                     for text in conv.notes:
                         current.shard.note(conv.record.seq_id, text, turns=len(conv.users))
-            current.shard.commit()
+            self._commit(current)
         except BaseException:
             if current is not None:
                 current.shard.abort()
@@ -475,7 +496,9 @@ class CaptureWorker:
                 s.sampling,
                 None,
                 self.layout.teacher_topk,
+                overlap=self.overlap,
                 project=self.projection(),
+                staged_copies=self.staged,
             )
         return self._decode
 
@@ -490,10 +513,25 @@ class CaptureWorker:
                 run.store(run.encoded[i][0].seq_id, out)
             return
         while run.outstanding:
-            i, out = self._next_sequence()
-            owner, j = self._owner.pop(i)
-            owner.store(owner.encoded[j][0].seq_id, out)
-            owner.outstanding -= 1
+            self._take_sequence()
+
+    def _commit(self, run: _TaskRun) -> None:
+        """Commit `run`'s shard. Written off the decode loop, its thread flushes, fsyncs and renames it while this one
+        goes on decoding the lookahead task's sequences (into the lookahead's shard) until the commit is done."""
+        if not isinstance(run.shard, BackgroundShard):
+            run.shard.commit()
+            return
+        run.shard.start_commit()
+        while run.shard.committing() and self._ahead is not None and self._ahead.outstanding:
+            self._take_sequence()
+        run.shard.finish_commit()
+
+    def _take_sequence(self) -> None:
+        """The shared decode's next sequence into its task's shard."""
+        i, out = self._next_sequence()
+        owner, j = self._owner.pop(i)
+        owner.store(owner.encoded[j][0].seq_id, out)
+        owner.outstanding -= 1
 
     def _next_sequence(self):
         """The shared decode's next (index, Captured); a decode that ran dry restarts on prompts queued since."""
@@ -540,5 +578,7 @@ class CaptureWorker:
             batch_size=self.batch_size,
             teacher_topk=topk,
             prefill_tokens=self.prefill_tokens,
+            overlap=self.overlap,
             project=self.projection(),
+            staged_copies=self.staged,
         )
