@@ -14,7 +14,8 @@ setup: .venv/.installed
 
 # Wheels of every dependency but torch, at .venv's versions, for nodes with no index (scripts/setup.sh --wheelhouse
 # DIR), for PYTHON_VERSION (default .venv's) on x86_64 Linux with glibc GLIBC or newer, into wheelhouse/cpXY/; and
-# into wheelhouse/cpXY-smoke/ the ~30 MiB jobs/gpu_smoke.sh needs beside a machine's own torch and transformers.
+# into wheelhouse/cpXY-smoke/ the ~44 MiB jobs/gpu_smoke.sh needs beside a machine's own torch (transformers included,
+# for machines whose own is older than flashdraft needs; numpy left out).
 # SET=smoke writes the smoke's alone:  make wheelhouse SET=smoke PYTHON_VERSION=3.12
 SET ?= full
 GLIBC ?= 2.28

