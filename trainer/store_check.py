@@ -7,6 +7,10 @@ class StoreMismatch(ValueError):
     """A store does not fit the configured target / drafter; the message names what differs."""
 
 
+class PartialStore(StoreMismatch):
+    """A store is a partial transcode (it holds part of its source); the message names it and its finishing command."""
+
+
 def _listing(held: dict) -> str:
     return "; ".join(f"{path}: {ids}" for path, ids in held.items())
 
@@ -68,8 +72,14 @@ def store_projection_sha(manifests: dict, layer_ids=None) -> str | None:
 
 
 def check_store(path, manifest: dict, *, hidden_size: int, vocab_size: int, target: dict | None) -> None:
-    """`target` is `flashdraft.target.target_fingerprint(...)` of the configured target (or None to skip)."""
+    """`target` is `flashdraft.target.target_fingerprint(...)` of the configured target (or None to skip). A partial
+    transcode is refused by name (`flashdraft.store.transcode.partial_transcode_problem`)."""
+    from flashdraft.store.transcode import partial_transcode_problem
+
     where = f"feature store {path}"
+    partial = partial_transcode_problem(path, manifest)
+    if partial:
+        raise PartialStore(f"feature store {partial}; nothing was trained: finish it, or train on another store")
     if int(manifest["hidden_size"]) != int(hidden_size):
         raise StoreMismatch(f"{where}: hidden size {manifest['hidden_size']} != the target's {hidden_size}")
     if manifest.get("vocab_size") is not None and int(manifest["vocab_size"]) != int(vocab_size):

@@ -37,25 +37,24 @@ DEFAULT_CALIBRATION_TOKENS = 32768
 _DIMS = re.compile(r"^\s*([0-9]*\.?[0-9]+)?\s*[hH]\s*$")
 
 
-def resolve_dims(value, hidden_size: int, input_dims: int) -> int:
-    """`data.store.project_dims` as a number of dimensions: an int, or "H", "2H", "2.5H" (times the hidden size)."""
+def resolve_dims(value, hidden_size: int, input_dims: int, key: str = "data.store.project_dims") -> int:
+    """`data.store.project_dims` as a number of dimensions: an int, or "H", "2H", "2.5H" (times the hidden size).
+    `key`: the setting's name in errors (the transcode command's is `project_dims`)."""
     if isinstance(value, str):
         m = _DIMS.match(value)
         if m is None and value.strip().isdigit():
             dims = int(value)
         elif m is None:
-            raise StoreError(
-                f"data.store.project_dims must be a number or a multiple of H (H, 2H, 2.5H), got {value!r}"
-            )
+            raise StoreError(f"{key} must be a number or a multiple of H (H, 2H, 2.5H), got {value!r}")
         else:
             dims = round(float(m.group(1) or 1) * hidden_size)
     elif isinstance(value, (int, float)) and not isinstance(value, bool) and float(value).is_integer():
         dims = int(value)
     else:
-        raise StoreError(f"data.store.project_dims must be a number or a multiple of H (H, 2H, 2.5H), got {value!r}")
+        raise StoreError(f"{key} must be a number or a multiple of H (H, 2H, 2.5H), got {value!r}")
     if not 1 <= dims < input_dims:
         raise StoreError(
-            f"data.store.project_dims {value!r} is {dims} dimensions; a projection keeps 1..{input_dims - 1} of the "
+            f"{key} {value!r} is {dims} dimensions; a projection keeps 1..{input_dims - 1} of the "
             f"{input_dims} captured ({input_dims // hidden_size} layers x {hidden_size})"
         )
     return dims
@@ -184,23 +183,60 @@ def projection_file(store_path) -> Path:
     return Path(store_path) / PROJECTION_FILE
 
 
-def save_projection(store_path, proj: Projection, **meta) -> dict:
-    """Write the basis into the store (atomically, fsynced); returns the manifest's `projection` entry."""
-    from safetensors.torch import save_file
+def temp_projection_file(store_path) -> Path:
+    """Where the basis is written before it is renamed into place (a crash may leave it: only a writer holding the
+    store's writer lock deletes it)."""
+    path = projection_file(store_path)
+    return path.with_name(path.name + ".tmp")
 
+
+def _write_file_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to `path`'s temporary name, fsync, rename, fsync the folder; a full disk is a DiskFullError naming
+    `path` and the free bytes, and a failed write leaves no temporary file."""
     from flashdraft.durable import fsync_dir
+    from flashdraft.store.space import naming_disk_full
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")  # for the basis: temp_projection_file
+    try:
+        with naming_disk_full(path):
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            fsync_dir(path.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def save_projection(store_path, proj: Projection, **meta) -> dict:
+    """Write the basis into the store (atomically, fsynced; a full disk a DiskFullError naming the file and the free
+    bytes); returns the manifest's `projection` entry."""
+    from safetensors.torch import save
 
     path = projection_file(store_path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
     info = {**proj.meta, **meta}
     tensors = {"projection": proj.projection, "rms": proj.rms}  # lift = diag(rms^2) P: derived on load
-    save_file(tensors, str(tmp), metadata={"flashdraft": json.dumps(info, sort_keys=True)})
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    # serialised in memory and written here, not by safetensors' save_file, whose full disk is a SafetensorError
+    # without an errno: this write's ENOSPC becomes the DiskFullError every store write raises
+    _write_file_atomic(path, save(tensors, metadata={"flashdraft": json.dumps(info, sort_keys=True)}))
     return {**info, "file": PROJECTION_FILE, "sha256": file_sha256(path)}
+
+
+def copy_projection(from_store, to_store) -> dict:
+    """Copy the basis of projected store `from_store` into `to_store` byte for byte (so both name the same sha256 and
+    train together), its bytes checked against `from_store`'s manifest; returns `to_store`'s `projection` entry."""
+    from flashdraft.store.files import read_manifest
+
+    entry = read_manifest(from_store).get("projection") or {}
+    source = Path(from_store) / entry.get("file", PROJECTION_FILE)
+    data = source.read_bytes()
+    if hashlib.sha256(data).hexdigest() != entry.get("sha256"):
+        raise StoreError(f"{source}: the projection basis does not hash to its manifest's sha256; not copied")
+    _write_file_atomic(projection_file(to_store), data)
+    return {**entry, "file": PROJECTION_FILE, "basis_from": str(Path(from_store).resolve())}
 
 
 def file_sha256(path) -> str:

@@ -1,5 +1,5 @@
 """Checking a store end to end: manifest vs shards, every array's data file present with a sound index, every
-inner chunk readable (crc32c, decompression) and features finite."""
+inner chunk readable (crc32c, decompression) and features finite; a transcoded copy holding all of its source."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from flashdraft.store.format import (
     read_index,
 )
 from flashdraft.store.projection import load_projection
+from flashdraft.store.transcode import partial_transcode_problem
 
 
 @dataclass
@@ -56,7 +57,8 @@ def verify_store(
         Manifest vs shards (listed shards exist, are complete and agree on counts), every data file present with
         an intact index, every inner chunk readable (crc32c, decompression), offsets monotonic, features finite,
         response spans equal to the loss mask, sequence ids unique, a projected store's basis hashing to its manifest's
-    sha256. `part` (k, n) checks only every n-th listed shard
+    sha256, a transcoded store complete (every shard of its source written: `partial_transcode_problem` names a
+    partial one and the command that finishes it). `part` (k, n) checks only every n-th listed shard
         from the k-th, so that n processes share the work: each shard against its manifest entry, the entries against
         the manifest's counts in part 0; sequence ids are then found unique within a part only. `sample` (fraction,
         rng) reads that share of each array's inner chunks (at least one) instead of all of them, and skips the span
@@ -76,6 +78,9 @@ def verify_store(
             load_projection(path, manifest)
         except StoreError as e:
             check.problems.append(str(e))
+        partial = partial_transcode_problem(path, manifest)  # None for a capture's store
+        if partial:
+            check.problems.append(partial)
     shards = manifest["shards"][k::n]
     for entry in tqdm(shards, desc="verify", unit="shard", disable=not progress):
         _check_shard(check, entry)
