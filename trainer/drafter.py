@@ -3,11 +3,13 @@
 The target layer ids come from the stores' manifests (the layers the pipeline captured), optionally narrowed by
 `drafter.layer_ids`; block size, depth and MLP width from the drafter settings (`DraftSpec.from_settings`); the mask
 token from the target's tokenizer.
-The spec goes into the drafter's config.json, from which everything after training reads it.
+The spec goes into the drafter's config.json, from which everything after training reads it. A checkpoint records
+the stores' feature basis (`features_basis`), and a resume on stores of another basis is refused (`check_basis`).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from flashdraft.config import DrafterConfig, TrainConfig
@@ -24,7 +26,10 @@ from flashdraft.target import (
     target_fingerprint,
     text_config,
 )
+from trainer.checkpoint import CheckpointError
 from trainer.store_check import check_store, store_layer_ids, store_projection_sha
+
+RAW = "raw"  # the basis of stores of raw (unprojected) features
 
 
 def drafter_spec(cfg: TrainConfig, drafter: DrafterConfig, target_config) -> DraftSpec:
@@ -61,6 +66,43 @@ def stores_projection(cfg: TrainConfig, drafter: DrafterConfig) -> Projection | 
     if sha is None:
         return None
     return load_projection(paths[0], manifests[paths[0]])
+
+
+def features_basis(projection: Projection | None) -> str:
+    """The stores' feature basis as a checkpoint records it: the sha256 of their projection file, or "raw"."""
+    return projection.sha256 if projection is not None else RAW
+
+
+def recorded_basis(checkpoint: Path, client_state: dict) -> str | None:
+    """The basis the checkpoint was trained on: its client state's record, else (checkpoints saved before it was
+    recorded) its exported drafter's `feature_projection`; None where neither says."""
+    if client_state.get("features_basis"):
+        return client_state["features_basis"]
+    config = checkpoint / "drafter" / "config.json"
+    try:
+        exported = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return None
+    projection = exported.get("feature_projection") if isinstance(exported, dict) else None
+    return projection.get("sha256") if isinstance(projection, dict) else RAW
+
+
+def _describe_basis(basis: str) -> str:
+    return "raw features" if basis == RAW else f"features projected by the basis sha256 {basis[:12]}"
+
+
+def check_basis(checkpoint: Path, client_state: dict, projection: Projection | None, stores) -> None:
+    """Refuse a resume from `checkpoint` on stores whose basis is not the one it was trained on (a store recreated
+    at the same path): its fc' would be folded with another basis, or not fit fc's shape."""
+    recorded, found = recorded_basis(checkpoint, client_state), features_basis(projection)
+    if recorded is None or recorded == found:
+        return
+    harm = "fold an fc' trained on one basis with the other" if RAW not in (recorded, found) else "not fit fc's shape"
+    raise CheckpointError(
+        f"train.stores {list(stores)} hold {_describe_basis(found)}, but the checkpoint {checkpoint} was trained on "
+        f"{_describe_basis(recorded)}: resuming it would {harm}; refused. Train into a new train.out_dir, or point "
+        f"train.stores back at the store(s) of {_describe_basis(recorded)}"
+    )
 
 
 def projected_config(draft_config, projection: Projection | None):

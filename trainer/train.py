@@ -1,8 +1,9 @@
 """The training loop: feature stores -> a drafter, under DeepSpeed, with checkpoints, eval and metrics.
 
-`train` reads top to bottom: the drafter spec from the stores, the data and its plan, the drafter and the frozen
-head, the engine, a resume, then step after step (batch, loss, backward, step, log, eval, checkpoint). What the
-ranks share is done by small helpers: sums over ranks (`Tally.all_sum`), the weights gathered for rank 0's export.
+`train` reads top to bottom: the drafter spec from the stores, the run's lock, then `train_run`: the data and its
+plan, the drafter and the frozen head, the engine, a resume, then step after step (batch, loss, backward, step, log,
+eval, checkpoint). What the ranks share is done by small helpers: sums over ranks (`Tally.all_sum`), the weights
+gathered for rank 0's export.
 """
 
 from __future__ import annotations
@@ -21,9 +22,25 @@ from flashdraft.config import DrafterConfig, TrainConfig
 from flashdraft.model import DFlashDrafter
 from flashdraft.spec import TRAINED_THINKING_KEY, DraftSpec
 from flashdraft.target import load_config, load_frozen_head, text_config
-from trainer.checkpoint import export_drafter, latest_tag, load_checkpoint, read_client_state, save_checkpoint
+from trainer.checkpoint import (
+    export_drafter,
+    latest_tag,
+    load_checkpoint,
+    read_client_state,
+    remove_unfinished_saves,
+    resume_tag,
+    save_checkpoint,
+)
 from trainer.data import Plan, Prefetcher, TrainingData
-from trainer.drafter import drafter_spec, init_weights, projected_config, stores_projection, trained_thinking
+from trainer.drafter import (
+    check_basis,
+    drafter_spec,
+    features_basis,
+    init_weights,
+    projected_config,
+    stores_projection,
+    trained_thinking,
+)
 from trainer.engine import (
     all_sum,
     build_engine,
@@ -37,6 +54,7 @@ from trainer.engine import (
 from trainer.loss import default_gamma
 from trainer.metrics import COUNT, LOSS, NONFINITE, MetricsLog, Tally, summarize_values, summed_over_ranks
 from trainer.objective import forward_loss
+from trainer.run_lock import trainer_lock
 from trainer.settings import DeviceSettings, resolve_device_settings
 from trainer.store_verify import MODES, verify_stores
 
@@ -127,13 +145,21 @@ def train(cfg: TrainConfig, drafter: DrafterConfig) -> dict:
     spec = drafter_spec(cfg, drafter, target_config)
     projection = stores_projection(cfg, drafter)  # None: raw features
     init_distributed(proc.settings.dist_backend)
+    with trainer_lock(cfg.out_dir):  # one trainer a run: refused here, naming the other, before anything is written
+        return train_run(cfg, proc, spec, target_config, projection)
+
+
+def train_run(cfg: TrainConfig, proc: Process, spec: DraftSpec, target_config, projection) -> dict:
+    """The run, under its lock: data, drafter, engine, a resume, then the steps; returns what `train` does."""
     stores = [*cfg.stores, *(cfg.eval_stores or [])]
     verify_stores(stores, cfg.verify_store, fraction=cfg.verify_sample, rank=proc.rank, world=proc.world)
     data = training_data(cfg, spec, cfg.stores, heldout_fraction=cfg.heldout_fraction, teacher=cfg.soft_labels > 0)
     plans, total_steps = plan_epochs(data, cfg, proc)
     ckpt_root = Path(cfg.out_dir) / "checkpoints"
-    tag = latest_tag(ckpt_root) if cfg.resume else None
-    proc.dtype = training_dtype(cfg.dtype, proc.device, resumed=saved_dtype(ckpt_root, tag) if tag else None)
+    remove_unfinished_saves(ckpt_root)  # safe under the lock: no other trainer is saving here
+    tag = resume_tag(ckpt_root) if cfg.resume else None  # latest, or the newest intact checkpoint (said)
+    resumed_dtype = check_resume(ckpt_root, tag, cfg, projection) if tag else None
+    proc.dtype = training_dtype(cfg.dtype, proc.device, resumed=resumed_dtype)
     say_settings(cfg, proc, resumed=tag is not None)
     eval_data, heldout = heldout_plan(cfg, spec, data, proc)
 
@@ -346,10 +372,17 @@ def saved_dtype(ckpt_root: Path, tag: str) -> str:
     saved = (read_client_state(ckpt_root, tag) or {}).get("dtype")
     if saved is None:
         raise ValueError(
-            f"checkpoint {ckpt_root / tag} does not record the dtype it was trained in (written by an "
-            f"older trainer): start afresh with train.resume=false or another train.out_dir"
+            f"checkpoint {ckpt_root / tag} does not record the dtype it was trained in (written by an older "
+            f"trainer): train into another train.out_dir"
         )
     return saved
+
+
+def check_resume(ckpt_root: Path, tag: str, cfg: TrainConfig, projection) -> str:
+    """The dtype to resume the checkpoint `tag` in, once its feature basis is checked against the stores'
+    (`check_basis`: refused by name where a store was recreated with another)."""
+    check_basis(ckpt_root / tag, read_client_state(ckpt_root, tag) or {}, projection, cfg.stores)
+    return saved_dtype(ckpt_root, tag)
 
 
 def resume(engine, ckpt_root: Path, tag: str) -> Progress:
@@ -495,7 +528,12 @@ def save_run(
 ) -> int:
     """A checkpoint of the run as it stands, the drafter exported into it (all ranks; folded with the stores'
     `projection` where they are projected); returns its step."""
-    client_state = {**asdict(progress), "dtype": dtype_name(dtype), "train_config": asdict(cfg)}
+    client_state = {
+        **asdict(progress),
+        "dtype": dtype_name(dtype),
+        "features_basis": features_basis(projection),  # a resume on stores of another basis is refused
+        "train_config": asdict(cfg),
+    }
     export = partial(export_copies, engine, draft_config, dtype, cfg.drafter_dir, projection=projection)
     save_checkpoint(engine, ckpt_root, progress.global_step, client_state, export=export, keep=cfg.keep_checkpoints)
     return progress.global_step
