@@ -34,7 +34,8 @@ wheelhouse: setup
 # logs/<job name>-<id>.out) on NODES nodes with CPUS_PER_NODE CPUs and GPUS_PER_NODE GPUs each (default: the most
 # that NODES of the partition's nodes have), PARTITION and TIME if given, after job AFTER succeeds if given, with
 # other sbatch options in SBATCH_ARGS (e.g. --account=me); what the partition cannot run is refused, naming the
-# limit. CLUSTER=ray submits the capture to the Ray cluster at RAY_ADDRESS (jobs/ray_submit.sh). docs/cluster.md.
+# limit. CLUSTER=ray submits the capture to the Ray cluster at RAY_ADDRESS (jobs/ray_submit.sh); Ctrl-C stops the
+# job and returns within STOP_WAIT seconds (default 20), whatever the job waits for. docs/cluster.md.
 CLUSTER ?= local
 NODES ?= 2
 ifeq ($(filter $(CLUSTER),local slurm ray),)

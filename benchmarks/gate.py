@@ -31,7 +31,9 @@ throughout: docs/serving.md, "llama.cpp's rounds against ours"). Exit 0: passed;
 2: refused (an engine or a setting it cannot run). `gate.plant` puts a known mismatch in, to see it fail:
 labels+1 trains each block position on the token after its own; layers-1 serves the drafter with every target layer
 id one lower than it was trained on (the embedded default still passes that one: docs/serving.md). Everything goes
-to `gate.out_dir` (cleared first), the report to gate.json.
+to `gate.out_dir`, the report to gate.json. The gate checks the target first (its config readable, data.max_length
+within its positions), then writes only into a folder it owns: a new or empty one, which it marks as its own
+(`.flashdraft-gate`), or one it marked before, which it clears; any other folder is refused by name, untouched.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from pathlib import Path
 import torch
 
 from entry import compose, typed_config
+from entry.ranges import check_target_lengths
 from flashdraft.config import GATE_ENGINES, GATE_PLANTS, Config
 from flashdraft.spec import aux_layer_ids
 
@@ -93,15 +96,13 @@ class Leg:
 def gate_config(overrides: list[str]) -> Config:
     """conf/config.yaml with the gate's defaults and `overrides`, the data and train settings the gate derives from
     `gate` filled in."""
-    cfg = typed_config(compose([*GATE_OVERRIDES, *overrides]))
+    try:  # every numeric gate.* setting is checked with the others (entry.ranges)
+        cfg = typed_config(compose([*GATE_OVERRIDES, *overrides]))
+    except ValueError as e:
+        raise GateRefused(str(e)) from e
     g = cfg.gate
     if g.plant is not None and g.plant not in GATE_PLANTS:
         raise GateRefused(f"gate.plant must be null or one of {list(GATE_PLANTS)}, got {g.plant!r}")
-    if g.sequences < 1 or g.max_new_tokens < 2 or g.max_steps < 1 or g.stable_steps < 1 or not 0 < g.threshold <= 1:
-        raise GateRefused(
-            f"gate.sequences >= 1, gate.max_new_tokens >= 2, gate.max_steps >= 1 and gate.threshold in (0, 1] "
-            f"(got {g.sequences}, {g.max_new_tokens}, {g.max_steps}, {g.threshold})"
-        )
     out = Path(g.out_dir)
     cfg.features_dir = str(out / "features")
     cfg.drafter_dir = str(out / "drafter")
@@ -144,6 +145,46 @@ def check_engines(engines) -> list[str]:
                 "it; run `make llamacpp` where a package index is reachable, or leave llamacpp out of ENGINES"
             )
     return engines
+
+
+def check_target(cfg: Config) -> None:
+    """Refuse, before anything is written, a target whose config cannot be read (a missing folder, an unreachable
+    hub id) or whose positions data.max_length passes."""
+    from pipeline.job import target_config
+
+    try:
+        config = target_config(cfg.model.target, cfg.trust_remote_code)
+        check_target_lengths(cfg.data.max_length, config, cfg.model.target)
+    except (OSError, ValueError) as e:
+        raise GateRefused(f"model.target={cfg.model.target}: {e}") from e
+
+
+OWNED_MARK = ".flashdraft-gate"  # written into the folder the gate writes into: the mark of a folder it may clear
+
+
+def claim_out_dir(out: Path) -> None:
+    """Make `out` the gate's own empty folder: a new one, an empty one, or one an earlier gate run marked (its
+    contents are cleared). A folder holding anything else is refused by name and left as it is: the gate never
+    deletes what it did not write."""
+    if out.exists() and not out.is_dir():
+        raise GateRefused(f"gate.out_dir {out} is a file, not a folder; give gate.out_dir a new or empty folder")
+    entries = sorted(out.iterdir()) if out.is_dir() else []
+    names = [p.name for p in entries]
+    if names and OWNED_MARK not in names:
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        raise GateRefused(
+            f"gate.out_dir {out} is not empty ({shown}) and was not made by the gate (no {OWNED_MARK} in it); "
+            "nothing was touched. Give gate.out_dir a new or empty folder (the gate clears only its own folders)"
+        )
+    for entry in entries:
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        elif entry.name != OWNED_MARK:
+            entry.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / OWNED_MARK).write_text(
+        "written by benchmarks/gate.py (make gate): the gate clears this folder at each run\n"
+    )
 
 
 # --- plants --------------------------------------------------------------------------------------
@@ -510,9 +551,9 @@ def run_gate(cfg: Config, log=print) -> dict:
     """The whole gate on `cfg` (`gate_config`); the report (also written to gate.json)."""
     g = cfg.gate
     engines = check_engines(g.engines)
+    check_target(cfg)
     out = Path(g.out_dir)
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
+    claim_out_dir(out)
     block = cfg.drafter.block_size
     need = g.threshold * block
     log(

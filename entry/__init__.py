@@ -9,6 +9,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from entry.ranges import check_settings
 from flashdraft.config import Config, checked_settings, refuse_unknown
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -31,8 +32,11 @@ def as_settings(node, schema: type, group: str):
 
 
 def typed_config(cfg: DictConfig) -> Config:
-    """The whole composed config as the typed `Config`, every group checked; what an entry point hands its stage."""
-    return as_settings(cfg, Config, "")
+    """The whole composed config as the typed `Config`, every group checked: keys known, every numeric setting in
+    its range (entry.ranges); what an entry point hands its stage."""
+    config = as_settings(cfg, Config, "")
+    check_settings(config)
+    return config
 
 
 def compose(overrides: list[str]) -> DictConfig:

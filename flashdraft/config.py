@@ -364,7 +364,8 @@ class GateConfig:
     # drafter with every target layer id one lower than it was trained on (a layer-id offset at serve time)
     plant: str | None = None
     engines: list[str] = field(default_factory=lambda: ["harness", "reference"])  # of GATE_ENGINES
-    out_dir: str = "${run_dir}/gate"  # store, training run, drafter and report (cleared at each run)
+    # store, training run, drafter and report: a folder the gate made (cleared at each run) or a new or empty one
+    out_dir: str = "${run_dir}/gate"
 
 
 # --- the root ---------------------------------------------------

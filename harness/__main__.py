@@ -410,7 +410,11 @@ register_configs()
 
 @hydra.main(config_path="../conf", config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
-    run(typed_config(cfg))  # once, here: the harness gets typed settings
+    try:
+        config = typed_config(cfg)  # once, here: the harness gets typed settings (their ranges checked)
+    except ValueError as e:  # a bad setting: its key and range, without a traceback
+        raise SystemExit(f"error: {e}") from None
+    run(config)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 python -m pipeline model=smollm2-135m data.limit=8          # capture (resumes if rerun)
 python -m pipeline estimate data=nemotron model=qwen3-8b     # bytes, shards, files, GPU-hours (offline too)
 python -m pipeline verify runs/smollm2-135m/features        # check a store; exit 1 on a problem
-python -m pipeline repair runs/smollm2-135m/features        # drop listed shards missing on disk (rerun recaptures)
+python -m pipeline repair runs/smollm2-135m/features        # drop listed shards missing or damaged (rerun recaptures)
 python -m pipeline transcode SRC DST dtype=fp8 project=pca project_dims=2H   # a copy in another dtype / projected
 python -m pipeline paths run_dir=/shared/runs/qwen3-8b       # where a cluster job writes; exit 1 if relative
 """
@@ -25,13 +25,14 @@ from omegaconf import DictConfig  # noqa: E402
 from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
 from entry import compose, register_configs, typed_config  # noqa: E402
+from entry.ranges import check_target_lengths  # noqa: E402
 from flashdraft.config import Config, DataConfig, source_figures, switch_setting, thinking_setting  # noqa: E402
 from flashdraft.prompts import PromptSourceUnavailable  # noqa: E402
 from flashdraft.spec import capture_layer_ids, check_layer_ids, default_layer_ids  # noqa: E402
 from flashdraft.store import StoreError, StoreLayout, verify_store  # noqa: E402
 from flashdraft.store.lock import writer_lock  # noqa: E402
 from flashdraft.store.projection import split_store_options  # noqa: E402
-from flashdraft.store.repair import drop_missing_shards  # noqa: E402
+from flashdraft.store.repair import drop_damaged_shards  # noqa: E402
 from pipeline.fleet import FleetConfig, local_gpus, run_fleet  # noqa: E402
 from pipeline.job import (  # noqa: E402
     estimate,
@@ -48,7 +49,8 @@ from pipeline.worker import CaptureSettings  # noqa: E402
 def captured_layer_ids(cfg: Config, offline_ok: bool = False) -> list[int]:
     """The target layers the capture stores: the ones the drafter reads (`drafter.layer_ids`, else the reference
     formula's `drafter.num_features`). With `offline_ok` (estimates) a target whose config cannot be read is taken
-    at the model yaml's word (`num_layers`)."""
+    at the model yaml's word (`num_layers`). Where the config is read, data.max_length is checked against the
+    target's positions too (entry.ranges.check_target_lengths)."""
     m, d = cfg.model, cfg.drafter
     try:
         config = target_config(m.target, cfg.trust_remote_code)
@@ -56,6 +58,7 @@ def captured_layer_ids(cfg: Config, offline_ok: bool = False) -> list[int]:
         if not offline_ok:
             raise
         return check_layer_ids(d.layer_ids or default_layer_ids(m.num_layers, d.num_features), m.num_layers)
+    check_target_lengths(cfg.data.max_length, config, m.target)
     return capture_layer_ids(config, d.num_features, d.layer_ids)
 
 
@@ -181,8 +184,8 @@ def store_path(cfg: Config) -> str:
 
 def capture_command(cfg: Config) -> int:
     features_dir = store_path(cfg)
+    settings = settings_from(cfg)  # the target's config read and checked before the store is touched
     with writer_lock(features_dir):  # before anything touches the store: one capture writes it at a time
-        settings = settings_from(cfg)
         counts = {}
         records, rejects = records_from(cfg, counts)
         print(
@@ -320,17 +323,20 @@ def verify_command(argv: list[str]) -> int:
 
 
 def repair_command(argv: list[str]) -> int:
-    """Drop the manifest entries of listed shards missing on disk; the next capture recaptures their prompts."""
+    """Drop the manifest entries of listed shards missing or damaged on disk (every chunk checked, as verify does),
+    moving a damaged one's folder into the store's damaged/; the next capture recaptures their prompts."""
     if len(argv) != 1:
         print("usage: python -m pipeline repair STORE_DIR", file=sys.stderr)
         return 2
     try:
-        dropped = drop_missing_shards(argv[0])
+        dropped = drop_damaged_shards(argv[0], progress=sys.stderr.isatty())
     except StoreError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     for e in dropped:
         print(f"dropped {e['name']} ({e['sequences']} sequences, {len(e.get('rejects', []))} rejects): {e['why']}")
+        if e["moved_to"]:
+            print(f"  its folder moved to {e['moved_to']} (delete it once it has served)")
     print(
         f"{argv[0]}: {len(dropped)} shard entr{'y' if len(dropped) == 1 else 'ies'} dropped"
         + ("; run the same capture command again to recapture their prompts" if dropped else ", nothing to repair")
@@ -338,31 +344,31 @@ def repair_command(argv: list[str]) -> int:
     return 0
 
 
-DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp8": "float8_e4m3", "fp32": "float32"}
 TRANSCODE_USAGE = (
     "usage: python -m pipeline transcode SRC DST [dtype=bf16|fp16|fp8|fp32] [project=pca] [project_dims=2H] "
     "[calibration_tokens=32768] [basis=OTHER_PROJECTED_STORE]"
 )
+TRANSCODE_OPTIONS = ("dtype", "project", "project_dims", "calibration_tokens", "basis")
 
 
 def transcode_command(argv: list[str]) -> int:
-    """Rewrite a raw store in another dtype and/or projected (`flashdraft.store.transcode`)."""
+    """Rewrite a raw store in another dtype and/or projected (`flashdraft.store.transcode`); the same command run
+    again finishes a copy it left partial. The options' values are checked by the transcode, naming the key."""
+    from collections import Counter
+
     from flashdraft.store.transcode import transcode
 
     if len(argv) < 2 or any("=" not in a for a in argv[2:]):
         print(TRANSCODE_USAGE, file=sys.stderr)
         return 2
-    opts = dict(a.split("=", 1) for a in argv[2:])
-    unknown = set(opts) - {"dtype", "project", "project_dims", "calibration_tokens", "basis"}
-    if unknown:
-        print(f"error: unknown option(s) {sorted(unknown)}\n{TRANSCODE_USAGE}", file=sys.stderr)
+    pairs = [a.split("=", 1) for a in argv[2:]]
+    opts = dict(pairs)
+    unknown = set(opts) - set(TRANSCODE_OPTIONS)
+    twice = sorted(k for k, n in Counter(k for k, _ in pairs).items() if n > 1)
+    if unknown or twice:
+        what = f"unknown option(s) {sorted(unknown)}" if unknown else f"option(s) given twice: {twice}"
+        print(f"error: {what}\n{TRANSCODE_USAGE}", file=sys.stderr)
         return 2
-    if "dtype" in opts:
-        opts["dtype"] = DTYPE_NAMES.get(opts["dtype"], opts["dtype"])
-    if opts.get("project") in ("null", "none"):
-        opts["project"] = None
-    if "calibration_tokens" in opts:
-        opts["calibration_tokens"] = int(opts["calibration_tokens"])
     try:
         manifest = transcode(argv[0], argv[1], **opts)
     except StoreError as e:
@@ -370,7 +376,7 @@ def transcode_command(argv: list[str]) -> int:
         return 1
     c, proj = manifest["counts"], manifest.get("projection")
     what = f"projected to {proj['dims']} dims (basis {proj['sha256'][:12]})" if proj else "raw features"
-    print(f"{argv[1]}: {c['sequences']} sequences, {c['tokens']} tokens, {manifest['dtype']}, {what}")
+    print(f"{argv[1]}: {c['sequences']} sequences, {c['tokens']} tokens, {manifest['dtype']}, {what}; complete")
     return 0
 
 

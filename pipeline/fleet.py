@@ -2,7 +2,8 @@
 
 Workers are Ray actors (one target each; a local Ray on loopback unless an address is given) or, with
 `num_actors=0`, one in-process worker. A task whose worker dies is retried on another one; a task
-that fails `max_attempts` times is reported, never looped on. Rerunning the same command skips
+that fails `max_attempts` times is reported, never looped on, and one whose error would recur on any worker (a
+ValueError, a target emitting NaN: `deterministic`) at its first attempt. Rerunning the same command skips
 every prompt already in a committed shard (captured or rejected): nothing lost, nothing twice.
 The run holds the store's writer lock (one capture a store); a full disk stops it at once, no retries.
 """
@@ -326,6 +327,13 @@ def fit_store_projection(writer: StoreWriter, fit, records) -> None:
     print(f"projection basis {got['sha256'][:12]} recorded in {writer.path}", file=sys.stderr, flush=True)
 
 
+def deterministic(error: BaseException) -> bool:
+    """Whether a task's error would recur on any worker, so that a retry cannot help: a target that emits NaN, or
+    a ValueError (a setting or input the task cannot take; the entry checks settings up front, entry.ranges). A
+    worker that died, ran out of memory or met a transient I/O error is retried."""
+    return isinstance(error, (TargetNaNError, ValueError))
+
+
 def _run_inline(store_path, settings, tasks, book: _Bookkeeper, records=()) -> None:
     worker = CaptureWorker(str(store_path), settings)
     queue = deque(tasks)
@@ -339,7 +347,7 @@ def _run_inline(store_path, settings, tasks, book: _Bookkeeper, records=()) -> N
             try:
                 result = worker.run(task, lookahead=queue[0] if queue else None)
             except Exception as e:  # noqa: BLE001 - reported per shard; the fleet goes on
-                again = book.failed(task, e, retry=not isinstance(e, TargetNaNError))
+                again = book.failed(task, e, retry=not deterministic(e))
                 if again is not None:
                     queue.append(again)
                 continue
@@ -455,7 +463,7 @@ def _drive_actors(store_path, settings, tasks, fleet: FleetConfig, book: _Bookke
                 again = book.failed(task, e, retry=True)
             except RayTaskError as e:
                 cause = e.cause if getattr(e, "cause", None) is not None else e
-                again = book.failed(task, cause, retry=not isinstance(cause, TargetNaNError))
+                again = book.failed(task, cause, retry=not deterministic(cause))
             else:
                 book.committed(result)
                 again = None

@@ -66,6 +66,7 @@ def run(setup, name: str, plant=None, extra=()) -> dict:
         "gate.sequences=3",
         "gate.max_new_tokens=40",
         "gate.max_steps=200",
+        "data.max_length=512",  # the tiny targets' positions (data.max_length may not pass them)
         "drafter.block_size=8",
         "drafter.num_layers=1",
         "drafter.num_features=3",

@@ -43,6 +43,7 @@ def build_tiny_target(folder, nan_layer=None):
     """A tiny random Llama with the SmolLM2 tokenizer (vocab 49152, ChatML), saved as an HF folder."""
     tok = load_tokenizer("smollm2-135m")
     model = tiny(vocab=len(tok))
+    model.config.max_position_embeddings = 4096  # room for data.max_length's default (3072), as SmolLM2's 8192 has
     model.generation_config.eos_token_id = tok.convert_tokens_to_ids("<|im_end|>")
     # make the end token likely so responses have varied lengths
     with torch.no_grad():

@@ -84,7 +84,10 @@ def main(cfg: DictConfig) -> None:
     if hc.mode == RunMode.MULTIRUN:
         subdir = re.sub(r"[^A-Za-z0-9_.=,-]+", "_", hc.job.override_dirname) or str(hc.job.num)
     cfg = with_train_recipe(cfg, hc.runtime.choices.get("train"), list(hc.overrides.task), torch.cuda.is_available())
-    config = typed_config(cfg)  # once, here: the trainer gets typed settings
+    try:
+        config = typed_config(cfg)  # once, here: the trainer gets typed settings (their ranges checked)
+    except ValueError as e:  # a bad setting: its key and range, without a traceback
+        raise SystemExit(f"error: {e}") from None
     train(train_config(config, subdir), config.drafter)
 
 

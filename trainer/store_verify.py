@@ -41,10 +41,14 @@ def verify_stores(paths, mode: str, *, fraction: float, rank: int = 0, world: in
         print(f"train.verify_store={mode}: {describe(mode, checked, fraction)}", flush=True)
     if problems:
         more = f"\n  ... and {len(problems) - LISTED} more" if len(problems) > LISTED else ""
+        damaged = [p for p in dict.fromkeys(str(p) for p in paths) if any(q.startswith(f"{p}: ") for q in problems)]
+        repairs = "; ".join(f"python -m pipeline repair {p}" for p in damaged)
         raise CorruptStore(
             f"train.verify_store={mode} found {len(problems)} problem(s) in the feature stores; nothing was "
-            f"trained:\n  " + "\n  ".join(problems[:LISTED]) + more + "\nRecapture the shards named (python -m "
-            "pipeline verify STORE lists every problem), or train on the other stores"
+            f"trained:\n  " + "\n  ".join(problems[:LISTED]) + more + "\nRecapture the shards named: "
+            f"{repairs or 'python -m pipeline repair STORE'} drops every missing or damaged shard (moving its folder "
+            "aside), then the same capture command run again captures exactly their prompts; python -m pipeline "
+            "verify STORE lists every problem. Or train on the other stores"
         )
     return dict(checked)
 

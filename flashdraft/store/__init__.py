@@ -2,7 +2,7 @@
 
 `files` alone knows the store's file and folder names (its docstring draws the layout), `format` what the arrays
 hold and how features are encoded, `writer` writes shards and keeps the manifest, `reader` reads sequences back,
-`verify` checks a store end to end, `repair` drops the entries of listed shards that are gone from disk.
+`verify` checks a store end to end, `repair` drops the entries of listed shards that are gone or damaged.
 """
 
 from flashdraft.store.files import (

@@ -15,6 +15,7 @@
         teacher_logp float16 [T, k]   likely next tokens after token j and their log-probabilities (soft labels
                                       for token j+1); -inf where not captured (prompt tokens before the last)
     shards/.tmp-<name>-<uid>/     a shard being written (data streams into <key>.part); renamed once complete
+    damaged/<name>/               a shard `repair` dropped from the manifest, moved out of shards/ (never read)
     .lock                         serialises manifest updates
     writer.lock                   held (flock) by the one capture writing the store, naming its host, pid and start
 
@@ -39,6 +40,7 @@ from flashdraft.store.space import naming_disk_full
 MANIFEST = "manifest.json"
 REJECTS = "rejects.jsonl"
 SHARDS = "shards"
+DAMAGED = "damaged"
 TMP_PREFIX = ".tmp-"
 LOCK = ".lock"
 WRITER_LOCK = "writer.lock"
@@ -60,6 +62,11 @@ def shards_dir(store_path: str | Path) -> Path:
 
 def shard_dir(store_path: str | Path, name: str) -> Path:
     return Path(store_path) / SHARDS / name
+
+
+def damaged_dir(store_path: str | Path) -> Path:
+    """Where `repair` moves the folders of the shards it drops: beside shards/, where no reader or capture looks."""
+    return Path(store_path) / DAMAGED
 
 
 def shard_name(index: int) -> str:
@@ -234,8 +241,8 @@ def shard_seq_ids(shard: Path) -> set[str]:
 
 def repair_hint(store_path: str | Path) -> str:
     return (
-        f"`python -m pipeline repair {store_path}` drops the entry of every listed shard that is missing or "
-        "unreadable; the same capture command run again then recaptures exactly their prompts"
+        f"`python -m pipeline repair {store_path}` drops the entry of every listed shard that is missing, "
+        "unreadable or damaged; the same capture command run again then recaptures exactly their prompts"
     )
 
 
