@@ -28,7 +28,7 @@ from transformers import DynamicCache
 
 from flashdraft.target import load_target, make_norms_exact, make_verification_exact, resolve_dtype
 from flashdraft.target.exact import T5_RMS_NORMS
-from harness.speculative import _cache_kwarg, clock
+from harness.speculative import cache_kwarg, clock
 
 TINY = {  # name: (family, config keywords)
     "qwen3": ("qwen3", dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4)),
@@ -113,15 +113,15 @@ def norm_rows(model, dtype: torch.dtype, tokens: int = 16) -> dict[str, dict]:
 def exact_ks(model, context: torch.Tensor, max_rows: int = 16) -> list[int]:
     """The k in 1..`max_rows` for which a k-token forward over a cache of the context gives bit for bit the logits
     of k one-token forwards."""
-    kv = {_cache_kwarg(model): DynamicCache(config=model.config), "use_cache": True}
+    kv = {cache_kwarg(model): DynamicCache(config=model.config), "use_cache": True}
     start = context.shape[1] - max_rows
     model(context[:, :start], **kv)
     ok = []
     for k in range(1, max_rows + 1):
         block = model(context[:, start : start + k], **kv).logits[0]
-        kv[_cache_kwarg(model)].crop(-k)
+        kv[cache_kwarg(model)].crop(-k)
         steps = [model(context[:, t : t + 1], **kv).logits[0, -1] for t in range(start, start + k)]
-        kv[_cache_kwarg(model)].crop(-k)
+        kv[cache_kwarg(model)].crop(-k)
         if torch.equal(block, torch.stack(steps)):
             ok.append(k)
     return ok
@@ -134,12 +134,12 @@ def forward_ms(copies: dict, context: torch.Tensor, rows: int, repeats: int) -> 
     caches = {}
     for name, model in copies.items():
         caches[name] = DynamicCache(config=model.config)
-        model(context[:, :start], **{_cache_kwarg(model): caches[name]}, use_cache=True)
+        model(context[:, :start], **{cache_kwarg(model): caches[name]}, use_cache=True)
     times = {name: [] for name in copies}
     for i in range(repeats + 2):  # two warm-ups
         for name, model in copies.items():
             t0 = clock(model.device)
-            model(context[:, start:], **{_cache_kwarg(model): caches[name]}, use_cache=True)
+            model(context[:, start:], **{cache_kwarg(model): caches[name]}, use_cache=True)
             if i >= 2:
                 times[name].append(1000 * (clock(model.device) - t0))
             caches[name].crop(-rows)
@@ -162,9 +162,9 @@ class OpCount(TorchDispatchMode):
 def ops_per_forward(model, context: torch.Tensor, rows: int) -> int:
     """Aten ops (`OpCount`) of a `rows`-token forward over a cache of the rest of the context."""
     cache = DynamicCache(config=model.config)
-    model(context[:, :-rows], **{_cache_kwarg(model): cache}, use_cache=True)
+    model(context[:, :-rows], **{cache_kwarg(model): cache}, use_cache=True)
     with OpCount() as count:
-        model(context[:, -rows:], **{_cache_kwarg(model): cache}, use_cache=True)
+        model(context[:, -rows:], **{cache_kwarg(model): cache}, use_cache=True)
     return count.ops
 
 

@@ -70,8 +70,7 @@ class Meter:
 
     def rows(self) -> int:
         if hasattr(self.host, "rows"):
-            r = self.host.rows
-            return 0 if r is None else len(r.arenas) * r.arena_pages * r.page_rows
+            return 0 if self.host.rows is None else self.host.rows.held_rows()
         return self.old_rows()
 
     def note(self) -> None:

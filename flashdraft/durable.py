@@ -52,13 +52,19 @@ def replace_durably(src: str | Path, dst: str | Path) -> None:
 
 
 def write_text_durably(path: str | Path, text: str) -> None:
-    """Replace the file at `path` with `text`: written under a temporary name, fsynced, renamed, folder fsynced. A
-    crash leaves either the old file or the new one, never a part of it."""
+    """Replace the file at `path` with `text` (`write_bytes_durably`)."""
+    write_bytes_durably(path, text.encode())
+
+
+def write_bytes_durably(path: str | Path, data: bytes) -> None:
+    """Replace the file at `path` with `data`: written under a temporary name (`path` + ".tmp"), fsynced, renamed,
+    folder fsynced. A crash leaves either the old file or the new one, never a part of it; a failed write leaves no
+    temporary file."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
+        with open(tmp, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         replace_durably(tmp, path)

@@ -63,7 +63,7 @@ def clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def _cache_kwarg(model) -> str:
+def cache_kwarg(model) -> str:
     """transformers 5.24 renamed `past_key_values` to `cache` (the old name warns)."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
@@ -111,7 +111,7 @@ def speculative_generate(
     output[:, :n] = ids
     cache = DynamicCache(config=target.config)
     cache.activate_past_recording()
-    kv = {_cache_kwarg(target): cache, "use_cache": True, "output_hidden_states": layer_ids is not None}
+    kv = {cache_kwarg(target): cache, "use_cache": True, "output_hidden_states": layer_ids is not None}
     result = Generation([], n)
 
     t0 = clock(device)

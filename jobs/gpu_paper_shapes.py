@@ -199,29 +199,23 @@ def random_prompts(n: int, longest: int, vocab: int, seed: int = 0) -> list[list
 
 def budgets(model, args, device: torch.device, max_length: int, mode: str) -> tuple[int, int | None, list[str]]:
     """(decode rows, prefill token budget, the lines saying why): --batch / --prefill-tokens where given, else as the
-    pipeline's worker sizes them on a GPU (`data.batch_size=auto`, `data.prefill_tokens=auto`): in regenerate mode a
-    fixed admission prefill and the decode rows the rest of the free memory holds, in capture mode the prefill the
-    free memory holds."""
-    from flashdraft.target.memory import decode_rows, prefill_token_budget
+    pipeline's worker sizes them (`pipeline.worker.capture_budgets`, `data.batch_size=auto`,
+    `data.prefill_tokens=auto`): on a GPU from its free memory, on a CPU the worker's fixed defaults."""
+    from flashdraft.target.memory import DEFAULT_FRACTION
+    from pipeline.worker import capture_budgets
 
-    rows, prefill, lines = args.batch, args.prefill_tokens or None, []
-    if device.type == "cuda" and not prefill:
-        free = torch.cuda.mem_get_info(device)[0]
-        if mode == "regenerate":
-            from pipeline.worker import GPU_ADMIT_TOKENS
-
-            prefill = GPU_ADMIT_TOKENS
-            lines.append(f"prefill budget {prefill:,} tokens: the worker's in regenerate mode on a GPU")
-        else:
-            budget = prefill_token_budget(free, model.config, model.dtype, max_length)
-            prefill = budget.value
-            lines.append(budget.line)
-    if device.type == "cuda" and not rows and mode == "regenerate":
-        free = torch.cuda.mem_get_info(device)[0]
-        decode = decode_rows(free, model.config, model.dtype, max_length, prefill_tokens=prefill or 0)
-        rows = decode.value
-        lines.append(decode.line)
-    return rows or 8, prefill, lines
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    return capture_budgets(
+        free,
+        model.config,
+        model.dtype,
+        mode=mode,
+        batch_size=args.batch or "auto",
+        prefill_tokens=args.prefill_tokens or "auto",
+        max_length=max_length,
+        fraction=DEFAULT_FRACTION,
+        captured_layers=len(draft_spec(args).target_layer_ids),
+    )
 
 
 def capture_regenerate(model, args, layer_ids: list[int], fig: dict, device: torch.device) -> None:
@@ -270,18 +264,13 @@ def capture_prefill(model, args, layer_ids: list[int], fig: dict, device: torch.
 # --- verify ----------------------------------------------------------------------------------------------------------
 
 
-def cache_kwarg(model) -> str:
-    """The forward's cache keyword: `cache` from transformers 5.24 on, `past_key_values` before."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 @torch.inference_mode()
 def round_costs(model, context: torch.Tensor, rows: int, repeats: int, device: torch.device) -> dict:
     """Over a cache of `context` but its last `rows` tokens: the median ms of a `rows`-token verify forward and of a
     one-token step, and whether the verify's logits equal those of `rows` one-token steps bit for bit."""
     from transformers import DynamicCache
+
+    from harness.speculative import cache_kwarg
 
     n, kw = context.shape[1], cache_kwarg(model)
     cache = DynamicCache(config=model.config)

@@ -102,13 +102,11 @@ def settings_from(cfg: Config, offline_ok: bool = False) -> CaptureSettings:
 def cpus_per_actor(cfg: Config) -> tuple[float, str]:
     """(cluster.cpus_per_actor, why): as set, or auto: where the capture runs on this machine's GPUs, its CPUs shared
     by one actor a GPU (the decode loop takes one, the shard writers the others: data.writer_threads auto); on a CPU,
-    or on a Ray cluster (whose nodes this machine does not know: conf/cluster/ray.yaml and slurm.yaml set it), 1."""
+    or on a Ray cluster (whose nodes this machine does not know: conf/cluster/ray.yaml and slurm.yaml set it), 1.
+    (A value that is neither was refused at the entry: entry.ranges.)"""
     value = cfg.cluster.cpus_per_actor
     if str(value) != "auto":
-        try:
-            return float(value), "cluster.cpus_per_actor"
-        except (TypeError, ValueError):
-            raise ValueError(f"cluster.cpus_per_actor must be a number or auto, got {value!r}") from None
+        return float(value), "cluster.cpus_per_actor"
     if cfg.cluster.ray_address:
         return 1.0, "cluster.cpus_per_actor=auto on a Ray cluster (cluster.ray_address set)"
     gpus = local_gpus(cfg.device)

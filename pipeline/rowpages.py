@@ -32,18 +32,15 @@ class RowPages:
         self.specs, self.page_rows, self.arena_pages = dict(specs), page_rows, arena_pages
         self.arenas: list[dict[str, torch.Tensor]] = []
         self.free: list[int] = []  # a heap: the lowest free page first
-        self.taken = 0
 
     def take(self) -> int:
         if not self.free:
             self._add_arena()
-        self.taken += 1
         return heapq.heappop(self.free)
 
     def give(self, ids: list[int]) -> None:
         for i in ids:
             heapq.heappush(self.free, i)
-        self.taken -= len(ids)
 
     def _add_arena(self) -> None:
         first = len(self.arenas) * self.arena_pages
@@ -85,14 +82,6 @@ class RowPages:
             out[name] = torch.cat(parts)[:n] if parts else torch.empty(0, *shape, dtype=dtype)
         return out
 
-    def held_bytes(self) -> int:
-        """Host bytes the arenas hold (taken or not)."""
-        return sum(t.numel() * t.element_size() for arena in self.arenas for t in arena.values())
-
-    def taken_bytes(self) -> int:
-        """Host bytes of the pages taken."""
-        per_page = sum(
-            self.page_rows * torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
-            for shape, dtype in self.specs.values()
-        )
-        return self.taken * per_page
+    def held_rows(self) -> int:
+        """Rows the arenas hold (pages taken or not): what host memory grows with."""
+        return len(self.arenas) * self.arena_pages * self.page_rows

@@ -67,10 +67,6 @@ class SlotRows:
             self.rows.release_idle()
         return keep
 
-    def held_bytes(self) -> int:
-        """Host bytes of the rows' pages (taken or free)."""
-        return self.rows.held_bytes() if self.rows is not None else 0
-
     def _make_rows(self, feats: torch.Tensor) -> None:
         specs = {"tokens": ((), torch.long), "feats": ((feats.shape[-1],), feats.dtype)}
         if self.k:

@@ -59,7 +59,7 @@ class CaptureSettings:
     max_length: int  # prompt + response, tokens
     max_prompt_tokens: int
     batch_size: int | str  # decode rows, or auto: from the free GPU memory (CPU: CPU_BATCH_SIZE)
-    prefill_tokens: int | str  # tokens a prefill holds (rows x longest), or auto (`CaptureWorker.budgets`)
+    prefill_tokens: int | str  # tokens a prefill holds (rows x longest), or auto (`capture_budgets`)
     gpu_memory_fraction: float  # of the free GPU memory the auto sizes plan to fill
     sampling: SamplingConfig
     seed: int
@@ -156,6 +156,66 @@ def writer_threads(setting: int | str, device: torch.device, cpu_threads: int) -
     return 0, "auto on CPU"
 
 
+def capture_budgets(
+    free: int | None,
+    config,
+    dtype,
+    *,
+    mode: str,
+    batch_size: int | str,
+    prefill_tokens: int | str,
+    max_length: int,
+    fraction: float,
+    captured_layers: int,
+    teacher_topk: int = 0,
+) -> tuple[int, int | None, list[str]]:
+    """(decode rows, prefill token budget or None for unlimited, one line each saying why) of a capture of a target
+    of `config` in `dtype`. `auto` on a GPU is sized from `free`, the GPU memory free once the target is loaded
+    (flashdraft.target.memory); on a CPU (`free` None) it is a fixed default: CPU_BATCH_SIZE rows; in capture mode
+    CPU_PREFILL_TOKENS tokens a prefill, in regenerate mode the joining prompts prefilled together, unsplit."""
+    prefill, prefill_line = _prefill_budget(
+        free, config, dtype, mode, prefill_tokens, max_length, fraction, captured_layers, teacher_topk
+    )
+    if mode == "capture":
+        return 1, prefill, [prefill_line]
+    if batch_size != "auto":
+        return batch_size, prefill, [f"decode batch {batch_size} rows: data.batch_size", prefill_line]
+    if free is None:
+        return CPU_BATCH_SIZE, prefill, [f"decode batch {CPU_BATCH_SIZE} rows: auto on CPU", prefill_line]
+    budget = decode_rows(
+        free,
+        config,
+        dtype,
+        max_length,
+        fraction=fraction,
+        prefill_tokens=prefill or 0,
+        captured_layers=captured_layers,
+    )
+    return budget.value, prefill, [budget.line, prefill_line]
+
+
+def _prefill_budget(
+    free, config, dtype, mode, prefill_tokens, max_length, fraction, captured_layers, teacher_topk
+) -> tuple[int | None, str]:
+    if prefill_tokens != "auto":
+        return prefill_tokens, f"prefill budget {prefill_tokens:,} tokens: data.prefill_tokens"
+    if free is None and mode == "regenerate":
+        return None, "prefill budget unlimited: auto on CPU (the prompts joining the decode prefill together)"
+    if free is None or mode == "regenerate":
+        n = CPU_PREFILL_TOKENS if free is None else GPU_ADMIT_TOKENS
+        return n, f"prefill budget {n:,} tokens: auto on {'CPU' if free is None else 'a GPU, regenerate mode'}"
+    budget = prefill_token_budget(
+        free,
+        config,
+        dtype,
+        max_length,
+        captured_layers=captured_layers,
+        fraction=fraction,
+        teacher_topk=teacher_topk,
+    )
+    return budget.value, budget.line
+
+
 class CaptureWorker:
     def __init__(self, store_path: str, settings: CaptureSettings):
         self.store_path, self.s = str(store_path), settings
@@ -208,48 +268,21 @@ class CaptureWorker:
         return overlap, staged
 
     def budgets(self, free: int | None) -> tuple[int, int | None, list[str]]:
-        """(decode rows, prefill token budget or None for unlimited, one line each saying why). `auto` on a GPU is
-        sized from `free`, the GPU memory free once the target is loaded (flashdraft.target.memory); on a CPU (`free`
-        None) it is a fixed default: CPU_BATCH_SIZE rows; in capture mode CPU_PREFILL_TOKENS tokens a prefill, in
-        regenerate mode the joining prompts prefilled together, unsplit."""
-        prefill, prefill_line = self._prefill_budget(free)
-        if self.s.mode == "capture":
-            return 1, prefill, [prefill_line]
-        rows = self.s.batch_size
-        if rows != "auto":
-            return rows, prefill, [f"decode batch {rows} rows: data.batch_size", prefill_line]
-        if free is None:
-            return CPU_BATCH_SIZE, prefill, [f"decode batch {CPU_BATCH_SIZE} rows: auto on CPU", prefill_line]
-        budget = decode_rows(
-            free,
-            self.model.config,
-            self.model.dtype,
-            self.s.max_length,
-            fraction=self.s.gpu_memory_fraction,
-            prefill_tokens=prefill or 0,
-            captured_layers=len(self.s.layer_ids),
-        )
-        return budget.value, prefill, [budget.line, prefill_line]
-
-    def _prefill_budget(self, free: int | None) -> tuple[int | None, str]:
+        """(decode rows, prefill token budget or None for unlimited, one line each saying why) of this worker's
+        settings (`capture_budgets`); `free`: the GPU memory free once the target is loaded, None on a CPU."""
         s = self.s
-        if s.prefill_tokens != "auto":
-            return s.prefill_tokens, f"prefill budget {s.prefill_tokens:,} tokens: data.prefill_tokens"
-        if free is None and s.mode == "regenerate":
-            return None, "prefill budget unlimited: auto on CPU (the prompts joining the decode prefill together)"
-        if free is None or s.mode == "regenerate":
-            n = CPU_PREFILL_TOKENS if free is None else GPU_ADMIT_TOKENS
-            return n, f"prefill budget {n:,} tokens: auto on {'CPU' if free is None else 'a GPU, regenerate mode'}"
-        budget = prefill_token_budget(
+        return capture_budgets(
             free,
             self.model.config,
             self.model.dtype,
-            s.max_length,
-            captured_layers=len(s.layer_ids),
+            mode=s.mode,
+            batch_size=s.batch_size,
+            prefill_tokens=s.prefill_tokens,
+            max_length=s.max_length,
             fraction=s.gpu_memory_fraction,
+            captured_layers=len(s.layer_ids),
             teacher_topk=self.layout.teacher_topk,
         )
-        return budget.value, budget.line
 
     def pid(self) -> int:
         return os.getpid()

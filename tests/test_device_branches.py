@@ -99,8 +99,8 @@ CPU_CANNOT: dict[str, str] = {
     "jobs/gpu_paper_shapes.py:sync": "torch.cuda.synchronize " + GPU_ONLY,
     "jobs/gpu_paper_shapes.py:Part.__enter__": "peak GPU memory counters " + GPU_ONLY,
     "jobs/gpu_paper_shapes.py:Part.__exit__": "peak GPU memory counters " + GPU_ONLY,
-    "jobs/gpu_paper_shapes.py:budgets": "reads free GPU memory; the planning it feeds (flashdraft.target.memory) is "
-    "tested with free memory given (test_target_memory.py)",
+    "jobs/gpu_paper_shapes.py:budgets": "reads free GPU memory; the planning it feeds (pipeline.worker."
+    "capture_budgets) is tested with free memory given (test_capture_decode.py, the worker plans from free memory)",
     "jobs/gpu_paper_shapes.py:describe": "the GPU's name " + GPU_ONLY,
     "jobs/gpu_smoke.py:check_torch": "a CUDA build that sees a GPU " + GPU_ONLY,
     "jobs/gpu_smoke.py:record_peak_memory": "peak GPU memory counters " + GPU_ONLY,

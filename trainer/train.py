@@ -2,8 +2,8 @@
 
 `train` reads top to bottom: the drafter spec from the stores, the run's lock, then `train_run`: the data and its
 plan, the drafter and the frozen head, the engine, a resume, then step after step (batch, loss, backward, step, log,
-eval, checkpoint). What the ranks share is done by small helpers: sums over ranks (`Tally.all_sum`), the weights
-gathered for rank 0's export.
+eval, checkpoint). What the ranks share is done by small helpers: the steps' sums over ranks at each sync
+(`sync_steps`; the eval's, `trainer.metrics.summed_over_ranks`), the weights gathered for rank 0's export.
 """
 
 from __future__ import annotations

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,31 +183,21 @@ def projection_file(store_path) -> Path:
 
 
 def temp_projection_file(store_path) -> Path:
-    """Where the basis is written before it is renamed into place (a crash may leave it: only a writer holding the
-    store's writer lock deletes it)."""
+    """Where the basis is written before it is renamed into place (`write_bytes_durably`'s temporary name; a crash may
+    leave it: only a writer holding the store's writer lock deletes it)."""
     path = projection_file(store_path)
     return path.with_name(path.name + ".tmp")
 
 
 def _write_file_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to `path`'s temporary name, fsync, rename, fsync the folder; a full disk is a DiskFullError naming
-    `path` and the free bytes, and a failed write leaves no temporary file."""
-    from flashdraft.durable import fsync_dir
+    """`data` into `path` durably (`flashdraft.durable.write_bytes_durably`); a full disk is a DiskFullError naming
+    `path` and the free bytes."""
+    from flashdraft.durable import write_bytes_durably
     from flashdraft.store.space import naming_disk_full
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")  # for the basis: temp_projection_file
-    try:
-        with naming_disk_full(path):
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-            fsync_dir(path.parent)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with naming_disk_full(path):
+        write_bytes_durably(path, data)
 
 
 def save_projection(store_path, proj: Projection, **meta) -> dict:

@@ -29,28 +29,24 @@ from flashdraft.store.files import (
     write_manifest,
     write_rejects,
 )
-from flashdraft.store.format import StoreError, StoreLayout
+from flashdraft.store.format import StoreError
 from flashdraft.store.lock import writer_lock
-from flashdraft.store.verify import _Check, _check_shard
+from flashdraft.store.verify import listed_shard_problems
 
 
 def damaged_shards(store_path: Path, manifest: dict, progress: bool = False) -> list[dict]:
     """The entries of the listed shards that are missing, unreadable or damaged, each with a "why": the problems
-    `verify` finds in it (every inner chunk read)."""
-    from tqdm import tqdm
-
-    check = _Check(store_path, StoreLayout.from_manifest(manifest), sample=None)
+    `verify` finds in it (every inner chunk read; a shard that cannot be opened: why not)."""
     found = []
-    for entry in tqdm(manifest["shards"], desc="repair: checking", unit="shard", disable=not progress):
+    for entry, problems in listed_shard_problems(store_path, manifest, progress):
+        if not problems:
+            continue
         try:
             read_shard_attrs(shard_dir(store_path, entry["name"]))
         except StoreError as e:
             found.append({**entry, "why": missing_shard_reason(store_path, entry["name"], e)})
-            continue
-        before = len(check.problems)
-        _check_shard(check, entry)
-        if len(check.problems) > before:
-            found.append({**entry, "why": "; ".join(check.problems[before:])})
+        else:
+            found.append({**entry, "why": "; ".join(problems)})
     return found
 
 

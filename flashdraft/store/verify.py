@@ -91,6 +91,18 @@ def verify_store(
     return check.problems, {**check.tally, "shards": len(shards), "bytes_on_disk": size}
 
 
+def listed_shard_problems(path: str | Path, manifest: dict, progress: bool = False):
+    """(entry, its problems) for each shard `manifest` lists, checked as `verify_store` checks it (every inner chunk
+    read); what `pipeline repair` drops."""
+    from tqdm import tqdm
+
+    check = _Check(Path(path), StoreLayout.from_manifest(manifest), sample=None)
+    for entry in tqdm(manifest["shards"], desc="repair: checking", unit="shard", disable=not progress):
+        before = len(check.problems)
+        _check_shard(check, entry)
+        yield entry, check.problems[before:]
+
+
 def _check_shard(check: _Check, entry: dict) -> None:
     """Problems of one listed shard go to `check.problems`; its sequences and tokens to `check.tally`."""
     name, d, problems = entry["name"], shard_dir(check.path, entry["name"]), check.problems
