@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_tree.py --drafter runs/full-smollm2-135m/drafter
         --store runs/full-smollm2-135m/features [--sequences 60] [--max-new-tokens 256]
         [--trees 3x2 7x2 7x4 11x4 15x4 15x8] [--cutoffs 0 0.1] [--lookups 2 3] [--datastores 4:2 6:2]
-        [--draft-vocabs 0 8192]
+        [--draft-vocabs 0 8192] [--replay-only]
 
 Part 1 replays the served greedy rounds offline (`harness/replay.py`) on `--sequences` stored responses
 of `--store`, for a chain (each cutoff), for each tree (size x branching) and for `dflash_lookup` with the
@@ -83,6 +83,7 @@ def main() -> None:
     ap.add_argument("--draft-vocabs", type=int, nargs="+", default=[0], help="draft vocabulary sizes (0: all words)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--replay-only", action="store_true", help="part 1 only: the replay taus, no timing")
     args = ap.parse_args()
     dtype = resolve_dtype(args.dtype, "cpu")
     target, _ = load_target("smollm2-135m", dtype=dtype)
@@ -152,6 +153,8 @@ def main() -> None:
             flush=True,
         )
 
+    if args.replay_only:
+        return
     # Verify cost: real draft logits at a real context, a cache of ~300 tokens.
     seq = max(
         (store.read(store.index(s), layers=proposer.layer_ids) for s in seq_ids[:10]), key=lambda q: len(q.input_ids)
