@@ -20,7 +20,8 @@ import torch
 from flashdraft.prompts import load_prompts
 from flashdraft.spec import capture_layer_ids
 from flashdraft.target import chat_input_ids, load_target, resolve_dtype, stop_token_ids
-from pipeline.capture import left_pad, regenerate
+from pipeline.capture import left_pad
+from pipeline.decode import regenerate
 
 
 def main():

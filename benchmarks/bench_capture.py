@@ -48,7 +48,11 @@ def prompts(n: int) -> list:
 
 def settings(args):
     from flashdraft.config import SamplingConfig
-    from pipeline.worker import CaptureSettings
+
+    try:
+        from pipeline.settings import CaptureSettings
+    except ImportError:  # a checkout before pipeline/settings.py (--before)
+        from pipeline.worker import CaptureSettings
 
     return CaptureSettings(  # every field named: the checkouts compared differ in which have defaults
         target=args.target,
@@ -77,15 +81,21 @@ def child_decode(args) -> dict:
     """The decode loop alone; saves what it produced (for the writer) and returns its rate."""
     import torch
 
-    from pipeline.capture import regenerate_stream
     from pipeline.job import open_store
     from pipeline.worker import CaptureWorker
+
+    try:
+        from pipeline.decode import regenerate_stream
+    except ImportError:  # a checkout before regenerate_stream moved to pipeline/decode.py (--before)
+        from pipeline.capture import regenerate_stream
 
     s = settings(args)
     store = Path(args.work) / "decode-store"
     open_store(store, s, sources=["bench"], store_options={})
     worker = CaptureWorker(str(store), s)
-    ids = [worker.encode(r)[0] for r in prompts(args.prompts)]
+    # a checkout before pipeline/encode.py and pipeline/plan.py (--before): the worker itself encodes and plans
+    encoder, rows = getattr(worker, "encoder", worker), getattr(worker, "plan", worker).batch_size
+    ids = [encoder.encode(r)[0] for r in prompts(args.prompts)]
     t = time.perf_counter()
     out = list(
         regenerate_stream(
@@ -93,16 +103,16 @@ def child_decode(args) -> dict:
             ids,
             list(s.layer_ids),
             max_new_tokens=args.new_tokens,
-            stop_ids=worker.stop_ids,
-            pad_id=worker.pad_id,
-            batch_size=worker.batch_size,
+            stop_ids=encoder.stop_ids,
+            pad_id=encoder.pad_id,
+            batch_size=rows,
         )
     )
     seconds = time.perf_counter() - t
     tokens = sum(len(c.input_ids) - len(ids[i]) for i, c in out)  # decoded tokens
     if args.save:
         torch.save([(c.input_ids, c.loss_mask, c.features) for _, c in out], args.save)
-    return {"tokens": tokens, "seconds": seconds, "rows": worker.batch_size}
+    return {"tokens": tokens, "seconds": seconds, "rows": rows}
 
 
 def child_writer(args) -> dict:

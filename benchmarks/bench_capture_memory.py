@@ -83,7 +83,12 @@ def child(args) -> None:
     from flashdraft.prompts import PromptRecord
     from flashdraft.store import shard_name
     from pipeline.job import open_store
-    from pipeline.worker import CaptureSettings, CaptureWorker, Task
+    from pipeline.worker import CaptureWorker
+
+    try:
+        from pipeline.settings import CaptureSettings, Task
+    except ImportError:  # a checkout before pipeline/settings.py (--before)
+        from pipeline.worker import CaptureSettings, Task
 
     words = "explain why the sky looks blue at noon and red at sunset in plain words please".split()
     asks = [" ".join(words[i % 7 : i % 7 + 6]) for i in range(args.child)]

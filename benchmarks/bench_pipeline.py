@@ -19,7 +19,8 @@ from flashdraft.prompts import load_prompts
 from flashdraft.spec import capture_layer_ids
 from flashdraft.store import StoreReader, StoreWriter, bytes_per_token, shard_name, shards_bytes
 from flashdraft.target import chat_input_ids, load_target, stop_token_ids
-from pipeline.capture import left_pad, regenerate
+from pipeline.capture import left_pad
+from pipeline.decode import regenerate
 
 
 def best_interleaved(fns, repeats):

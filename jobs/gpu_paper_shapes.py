@@ -199,10 +199,10 @@ def random_prompts(n: int, longest: int, vocab: int, seed: int = 0) -> list[list
 
 def budgets(model, args, device: torch.device, max_length: int, mode: str) -> tuple[int, int | None, list[str]]:
     """(decode rows, prefill token budget, the lines saying why): --batch / --prefill-tokens where given, else as the
-    pipeline's worker sizes them (`pipeline.worker.capture_budgets`, `data.batch_size=auto`,
+    pipeline's worker sizes them (`flashdraft.target.budgets.capture_budgets`, `data.batch_size=auto`,
     `data.prefill_tokens=auto`): on a GPU from its free memory, on a CPU the worker's fixed defaults."""
+    from flashdraft.target.budgets import capture_budgets
     from flashdraft.target.memory import DEFAULT_FRACTION
-    from pipeline.worker import capture_budgets
 
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     return capture_budgets(
@@ -221,7 +221,7 @@ def budgets(model, args, device: torch.device, max_length: int, mode: str) -> tu
 def capture_regenerate(model, args, layer_ids: list[int], fig: dict, device: torch.device) -> None:
     """The pipeline's continuous decode over random prompts (a random target never stops early: every sequence runs
     to --new-tokens), features captured and copied to the host; counted as the pipeline counts: new tokens/s."""
-    from pipeline.capture import regenerate_stream
+    from pipeline.decode import regenerate_stream
 
     prompts = random_prompts(args.regen_prompts, args.prompt_len, args.vocab)
     rows, prefill, lines = budgets(model, args, device, args.prompt_len + args.new_tokens, "regenerate")

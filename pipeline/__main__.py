@@ -43,7 +43,7 @@ from pipeline.job import (  # noqa: E402
     source_limit,
     target_config,
 )
-from pipeline.worker import CaptureSettings  # noqa: E402
+from pipeline.settings import CaptureSettings  # noqa: E402
 
 
 def captured_layer_ids(cfg: Config, offline_ok: bool = False) -> list[int]:

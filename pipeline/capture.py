@@ -1,18 +1,12 @@
-"""Regenerate responses with the target and capture its hidden states in the same pass.
+"""The target's hidden states, tapped at the chosen layers, as `Captured` sequences; the small pieces every capture
+path shares.
 
-`regenerate` is a batched decode loop over a left-padded batch with a DynamicCache, with forward hooks on the
-chosen decoder layers (`LayerTap`: only those layers' outputs are kept, not every hidden state): the prefill
-yields the prompt tokens' states, each decode step yields the state of the token it consumes. After the last
-generated token one more (cheap, one-token) step runs so that every stored position, the last one included,
-holds the target's real state; the features of a sequence therefore equal a fresh full forward over its tokens.
-`regenerate_stream` hands each sequence over the step it ends, so a caller that writes it out holds only the
-sequences still decoding.
+`capture` is the capture-only mode for data that already has responses: one left-padded prefill per batch, with
+forward hooks on the chosen decoder layers (`LayerTap`: only those layers' outputs are kept, not every hidden state).
+Regeneration (a response decoded and captured in the same pass) builds on these pieces: `pipeline.decode`.
 
-`capture` is the capture-only mode for data that already has responses: one prefill per batch.
-
-With `teacher_topk=k` both also keep, per token, the target's k most likely next tokens and their
-log-probabilities (soft labels for the trainer): in `regenerate` from the logits each step computes
-anyway, so from the last prompt token on; in `capture` for every token, from the final hidden states.
+With `teacher_topk=k` it also keeps, per token, the target's k most likely next tokens and their log-probabilities
+(soft labels for the trainer), from the final hidden states.
 """
 
 from __future__ import annotations
@@ -67,58 +61,6 @@ def pick_tokens(logits: torch.Tensor, sampling: SamplingConfig, generator: torch
 def check_finite(feats: torch.Tensor, what: str) -> None:
     if not torch.isfinite(feats).all():
         raise TargetNaNError(f"the target emitted NaN/Inf hidden states for {what}")
-
-
-@torch.no_grad()
-def regenerate(model, prompts: list[list[int]], layer_ids: list[int], **options) -> list[Captured]:
-    """Generate a response per prompt and return prompt+response with their features, in prompt order:
-    `regenerate_stream` with the same arguments (`options`: its keyword arguments), collected.
-
-    Continuous batching: at most `batch_size` sequences (default: all of them) decode together; a
-    sequence leaves the batch the step it ends, and waiting prompts take the free rows (prefilled
-    together, then merged into the batch's cache, left-padded to a common width), so no step is spent
-    on finished rows. `max_new_tokens` may be per prompt. The response includes its stop token. `sampling`:
-    None is greedy.
-    """
-    results = [None] * len(prompts)
-    for i, captured in regenerate_stream(model, prompts, layer_ids, **options):
-        results[i] = captured
-    return results
-
-
-def regenerate_stream(
-    model,
-    prompts: list[list[int]],
-    layer_ids: list[int],
-    *,
-    max_new_tokens: int | list[int],
-    stop_ids: list[int],
-    pad_id: int,
-    sampling: SamplingConfig | None = None,
-    generator: torch.Generator | None = None,
-    batch_size: int | None = None,
-    teacher_topk: int = 0,
-    prefill_tokens: int | None = None,
-    overlap: bool | None = None,
-    project=None,
-    staged_copies: bool | None = None,
-):
-    """`regenerate` as a generator of (prompt index, Captured), each yielded the step its sequence ends; nothing
-    is kept once yielded, so the caller's memory stays bounded by the batch, not by the number of prompts.
-    `prefill_tokens`: the prompts joining the batch are prefilled in groups of at most this many tokens, padding
-    included (`token_batches`); None: all together. `overlap`: read each step's results while the next one runs
-    (`ContinuousDecode`; None: on CUDA). `project`: a store's basis, applied on the device (`LayerTap`).
-    `staged_copies`: the device-to-host copies through fresh host buffers behind an event (`HostCopy`; None: on
-    CUDA)."""
-    from pipeline.decode import ContinuousDecode  # here: it builds on this module's pieces
-
-    limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-    sampling = sampling or SamplingConfig()
-    decode = ContinuousDecode(
-        model, layer_ids, stop_ids, pad_id, sampling, generator, teacher_topk, overlap, project, staged_copies
-    )
-    decode.add(prompts, limits)
-    yield from decode.run(batch_size or max(1, len(prompts)), prefill_tokens)
 
 
 def token_batches(lengths: list[int], budget: int | None) -> list[list[int]]:

@@ -1,10 +1,19 @@
-"""The continuously batched decode that `pipeline.capture.regenerate` runs, built to keep a GPU busy.
+"""Regenerate responses with the target and capture its hidden states in the same pass: the continuously batched
+decode, built to keep a GPU busy.
 
-A batch of slots (`SlotCache`) that sequences join and leave: a sequence that ends frees its slot without copying the
-cache; waiting prompts are prefilled together and written into free slots in place. Per slot the device holds the
-next token, position, response length, limit and end flags; the host (`SlotRows`) holds which prompt each slot
-serves and the tokens, features and teacher rows of its sequence so far. Prompts can be added while it runs (`add`):
-a capture worker adds the next task's prompts before the current task's have all ended.
+`regenerate_stream` decodes a list of prompts and hands over each sequence, prompt and response with the chosen
+layers' features (`pipeline.capture.Captured`), the step it ends, so a caller that writes it out holds only the
+sequences still decoding; `regenerate` collects them in prompt order. The prefill yields the prompt tokens' states,
+each decode step the state of the token it consumes; after the last generated token one more (cheap, one-token) step
+runs so that every stored position, the last one included, holds the target's real state: the features of a sequence
+equal a fresh full forward over its tokens. With `teacher_topk=k` each sequence also keeps, from the last prompt token
+on, the target's k most likely next tokens and their log-probabilities, from the logits each step computes anyway.
+
+`ContinuousDecode` is the engine: a batch of slots (`SlotCache`) that sequences join and leave. A sequence that ends
+frees its slot without copying the cache; waiting prompts are prefilled together and written into free slots in place.
+Per slot the device holds the next token, position, response length, limit and end flags; the host (`SlotRows`) holds
+which prompt each slot serves and the tokens, features and teacher rows of its sequence so far. Prompts can be added
+while it runs (`add`): a capture worker adds the next task's prompts before the current task's have all ended.
 
 A step is launched (forward, next tokens, the device-to-host copies of what the host needs queued: `_launch`) and
 its results are read on the host afterwards (`_collect`). With `overlap` (`data.overlap`; auto: on CUDA) a step's
@@ -24,8 +33,9 @@ from collections import deque
 import torch
 from transformers import DynamicCache
 
+from flashdraft.config import SamplingConfig
 from flashdraft.target.capture import LayerTap
-from pipeline.capture import left_pad, pick_tokens, token_batches
+from pipeline.capture import Captured, left_pad, pick_tokens, token_batches
 from pipeline.hostcopy import HostCopy
 from pipeline.slotcache import SlotCache
 from pipeline.slotrows import SlotRows
@@ -138,15 +148,13 @@ class ContinuousDecode:
         self.mask[slots, self.mask.shape[1] - ids.shape[1] :] = new_mask
         tok = pick_tokens(out.logits[:, -1], self.sampling, self.generator)
         limits = torch.as_tensor([self.limits[i] for i in joining], device=self.device)
-        stopped, lengths = torch.isin(tok, self.stops), torch.ones_like(tok)
-        new = dict(tok=tok, pos=new_pos[:, -1] + 1, lengths=lengths, limits=limits, stopped=stopped)
-        new["ending"] = stopped | (lengths >= limits)
+        new = _slot_state(tok, new_pos[:, -1] + 1, torch.ones_like(tok), limits, self.stops)
         # out of place: a launched step's copies may still read the old tensors
         self.state = {name: x.index_put((slots,), new[name]) for name, x in self.state.items()}
         top = _device_topk(out.logits[:, -1], self.teacher_topk) if self.teacher_topk else {}
         host = HostCopy(self.device, self.staged, feats=prompt_feats, **top).wait()
         self.host.admit(slots.tolist(), joining, [self.prompts[i] for i in joining], host)
-        self._trim()
+        self.mask = _trim(self.cache, self.mask)
 
     def _free_slots(self, n: int) -> torch.Tensor:
         """`n` slots for joining prompts: ended ones first, then new ones added to the batch."""
@@ -174,9 +182,7 @@ class ContinuousDecode:
         if self.teacher_topk:
             fed |= _device_topk(out.logits[:, -1], self.teacher_topk)
         tok = pick_tokens(out.logits[:, -1], self.sampling, self.generator)
-        stopped, lengths = torch.isin(tok, self.stops), s["lengths"] + 1
-        self.state = dict(s, tok=tok, pos=s["pos"] + 1, lengths=lengths, stopped=stopped)
-        self.state["ending"] = stopped | (lengths >= s["limits"])
+        self.state = _slot_state(tok, s["pos"] + 1, s["lengths"] + 1, s["limits"], self.stops)
         return HostCopy(self.device, self.staged, feats=feats[:, 0], **fed), self.host.snapshot()
 
     def _collect(self, launched: HostCopy, rows: tuple):
@@ -194,15 +200,7 @@ class ContinuousDecode:
         self.cache.select_rows(keep)
         self.mask = self.mask[keep]
         self.state = {name: x[keep] for name, x in self.state.items()}
-        self._trim()
-
-    def _trim(self) -> None:
-        """Drop the leading columns that no slot attends to (a view: nothing copied)."""
-        lead = int((self.mask.sum(0) == 0).int().cumprod(0).sum())
-        lead = min(lead, self.mask.shape[1] - 1)  # the width never reaches zero
-        if lead > 0:
-            self.cache.drop_left(lead)
-            self.mask = self.mask[:, lead:]
+        self.mask = _trim(self.cache, self.mask)
 
 
 def default_overlap(device: torch.device) -> bool:
@@ -210,7 +208,74 @@ def default_overlap(device: torch.device) -> bool:
     return torch.device(device).type == "cuda"
 
 
+def _trim(cache: SlotCache, mask: torch.Tensor) -> torch.Tensor:
+    """`mask` without its leading columns that no slot attends to, dropped from `cache` too (views: nothing copied)."""
+    lead = int((mask.sum(0) == 0).int().cumprod(0).sum())
+    lead = min(lead, mask.shape[1] - 1)  # the width never reaches zero
+    if lead > 0:
+        cache.drop_left(lead)
+        mask = mask[:, lead:]
+    return mask
+
+
+def _slot_state(tok, pos, lengths, limits, stops) -> dict[str, torch.Tensor]:
+    """The per-slot state (`STATE`) once `tok` is picked: it ends its sequence where it is a stop token or the
+    response reaches its limit."""
+    stopped = torch.isin(tok, stops)
+    return dict(tok=tok, pos=pos, lengths=lengths, limits=limits, stopped=stopped, ending=stopped | (lengths >= limits))
+
+
 def _device_topk(logits: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
     """[B, V] logits -> ids and log-probs [B, k] of the k most likely next tokens, where the logits are."""
     top = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
     return {"top_ids": top.indices, "top_logp": top.values}
+
+
+@torch.no_grad()
+def regenerate(model, prompts: list[list[int]], layer_ids: list[int], **options) -> list[Captured]:
+    """Generate a response per prompt and return prompt+response with their features, in prompt order:
+    `regenerate_stream` with the same arguments (`options`: its keyword arguments), collected.
+
+    Continuous batching: at most `batch_size` sequences (default: all of them) decode together; a
+    sequence leaves the batch the step it ends, and waiting prompts take the free rows (prefilled
+    together, then merged into the batch's cache, left-padded to a common width), so no step is spent
+    on finished rows. `max_new_tokens` may be per prompt. The response includes its stop token. `sampling`:
+    None is greedy.
+    """
+    results = [None] * len(prompts)
+    for i, captured in regenerate_stream(model, prompts, layer_ids, **options):
+        results[i] = captured
+    return results
+
+
+def regenerate_stream(
+    model,
+    prompts: list[list[int]],
+    layer_ids: list[int],
+    *,
+    max_new_tokens: int | list[int],
+    stop_ids: list[int],
+    pad_id: int,
+    sampling: SamplingConfig | None = None,
+    generator: torch.Generator | None = None,
+    batch_size: int | None = None,
+    teacher_topk: int = 0,
+    prefill_tokens: int | None = None,
+    overlap: bool | None = None,
+    project=None,
+    staged_copies: bool | None = None,
+):
+    """`regenerate` as a generator of (prompt index, Captured), each yielded the step its sequence ends; nothing
+    is kept once yielded, so the caller's memory stays bounded by the batch, not by the number of prompts.
+    `prefill_tokens`: the prompts joining the batch are prefilled in groups of at most this many tokens, padding
+    included (`token_batches`); None: all together. `overlap`: read each step's results while the next one runs
+    (`ContinuousDecode`; None: on CUDA). `project`: a store's basis, applied on the device (`LayerTap`).
+    `staged_copies`: the device-to-host copies through fresh host buffers behind an event (`HostCopy`; None: on
+    CUDA)."""
+    limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    sampling = sampling or SamplingConfig()
+    decode = ContinuousDecode(
+        model, layer_ids, stop_ids, pad_id, sampling, generator, teacher_topk, overlap, project, staged_copies
+    )
+    decode.add(prompts, limits)
+    yield from decode.run(batch_size or max(1, len(prompts)), prefill_tokens)

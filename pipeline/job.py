@@ -11,7 +11,7 @@ from flashdraft.prompts import DEFAULT_HELDOUT_FRACTION, check_limit, load_promp
 from flashdraft.store import StoreLayout, StoreWriter, bytes_per_token, files_per_shard
 from flashdraft.store.projection import split_store_options
 from flashdraft.target import chat_input_ids, chat_template_hash, load_config, load_tokenizer, target_fingerprint
-from pipeline.worker import CaptureSettings
+from pipeline.settings import CaptureSettings
 
 
 def load_records(

@@ -26,74 +26,43 @@ turns done, where the next turn's prompt leaves no room within max_length; the s
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import torch
 
-from flashdraft.prompts import PromptRecord
-from pipeline.capture import Captured, capture, regenerate_stream, token_batches
+from pipeline.capture import Captured, capture, token_batches
+from pipeline.decode import regenerate_stream
+from pipeline.encode import Conversation, PromptEncoder
 
 
-@dataclass
-class Conversation:
-    """One record's turn-by-turn state: its user turns, and the sequence so far with its loss mask."""
-
-    record: PromptRecord
-    system: list[dict]  # the record's leading system message, if any
-    users: list[str]  # every user turn, in order (messages, then followups)
-    ids: list[int]  # the sequence so far: the rendered conversation, then the answer being generated
-    mask: list[bool] = field(default_factory=list)
-    answers: list[str] = field(default_factory=list)  # the target's answers as text, as the template re-renders them
-    notes: list[str] = field(default_factory=list)
-    ended: bool = False
-
-    def __post_init__(self):
-        self.mask = self.mask or [False] * len(self.ids)  # the first prompt: nothing in the loss mask
-
-    def messages(self) -> list[dict]:
-        """The conversation for the next turn: system, then each answered user turn with its answer, then the next."""
-        msgs = list(self.system)
-        for user, answer in zip(self.users, self.answers):
-            msgs += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
-        return msgs + [{"role": "user", "content": self.users[len(self.answers)]}]
-
-
-def user_turns(record: PromptRecord) -> tuple[list[dict], list[str]]:
-    """(leading system message or [], every user turn in order); given assistant turns are dropped."""
-    msgs = list(record.messages)
-    system = msgs[:1] if msgs and msgs[0]["role"] == "system" else []
-    return system, [m["content"] for m in msgs if m["role"] == "user"] + list(record.followups)
-
-
-def regenerate_conversations(worker, chats: list[Conversation], seeds) -> Iterator[tuple[Conversation, Captured]]:
+def regenerate_conversations(decoder, chats: list[Conversation], seeds) -> Iterator[tuple[Conversation, Captured]]:
     """(conversation, Captured) for every conversation, all turns answered (or stopped), in `chats` order per prefill
-    group. `worker`: the CaptureWorker (model, tokenizer, settings, rendering); `seeds(turn)`: a round's sampling
-    seed."""
-    w, s = worker, worker.s
+    group. `decoder`: the worker's `pipeline.taskdecode.TaskDecoder` (target, encoder, settings, plan, the store's
+    basis); `seeds(turn)`: a round's sampling seed."""
+    d, s, encoder = decoder, decoder.s, decoder.encoder
     for turn in range(max(len(c.users) for c in chats)):
         active = [c for c in chats if not c.ended]
         if not active:
             break
-        gen = torch.Generator(device=w.model.device).manual_seed(seeds(turn)) if s.sampling.do_sample else None
+        gen = torch.Generator(device=d.model.device).manual_seed(seeds(turn)) if s.sampling.do_sample else None
         prompts = [c.ids for c in active]
         # the rounds' features are not kept (the last prefill recomputes them): tap one layer only
         for i, out in regenerate_stream(
-            w.model,
+            d.model,
             prompts,
             list(s.layer_ids[:1]),
             max_new_tokens=[min(s.max_new_tokens, s.max_length - len(p)) for p in prompts],
-            stop_ids=w.stop_ids,
-            pad_id=w.pad_id,
+            stop_ids=encoder.stop_ids,
+            pad_id=encoder.pad_id,
             sampling=s.sampling,
             generator=gen,
-            batch_size=w.batch_size,
-            prefill_tokens=w.prefill_tokens,
+            batch_size=d.plan.batch_size,
+            prefill_tokens=d.plan.prefill_tokens,
         ):
-            take_answer(w, active[i], out)
-    yield from final_prefill(w, chats)
+            take_answer(encoder, active[i], out)
+    yield from final_prefill(d, chats)
 
 
-def take_answer(worker, conv: Conversation, out: Captured) -> None:
+def take_answer(encoder: PromptEncoder, conv: Conversation, out: Captured) -> None:
     """Append a turn's answer to the sequence (in the loss mask) and prepare the next turn's prompt, or end. An
     answer cut at its token limit is put in the conversation as the target wrote it (the template closes the turn,
     its stop token then prompt, as a chat continued after a cut reply would be)."""
@@ -105,17 +74,17 @@ def take_answer(worker, conv: Conversation, out: Captured) -> None:
         return
     if not out.finished:
         conv.notes.append(f"turn {done}'s answer reached its token limit without a stop token; the template closes it")
-    conv.answers.append(worker.tokenizer.decode(answer[:-1] if out.finished else answer, skip_special_tokens=False))
-    next_prompt(worker, conv)
+    conv.answers.append(encoder.tokenizer.decode(answer[:-1] if out.finished else answer, skip_special_tokens=False))
+    next_prompt(encoder, conv)
 
 
-def next_prompt(worker, conv: Conversation) -> None:
+def next_prompt(encoder: PromptEncoder, conv: Conversation) -> None:
     """The next turn's prompt: the template's rendering of the conversation so far plus the next user turn. The loss
     mask keeps the tokens the rendering reproduces (the common prefix); where it does not fit, the conversation
     ends with the turns done."""
-    done, total, s = len(conv.answers), len(conv.users), worker.s
+    done, total, s = len(conv.answers), len(conv.users), encoder.s
     try:
-        rendered = worker._ids(worker._render(conv.messages(), conv.record.seq_id))
+        rendered = encoder.ids(encoder.render(conv.messages(), conv.record.seq_id))
     except Exception as e:  # noqa: BLE001 - a template that cannot render the continuation ends the conversation
         conv.notes.append(f"chat template failed on turn {done + 1} ({type(e).__name__}): kept {done} of {total} turns")
         conv.ended = True
@@ -136,19 +105,19 @@ def next_prompt(worker, conv: Conversation) -> None:
     conv.ids, conv.mask = rendered, conv.mask[:common] + [False] * (len(rendered) - common)
 
 
-def final_prefill(worker, chats: list[Conversation]) -> Iterator[tuple[Conversation, Captured]]:
+def final_prefill(decoder, chats: list[Conversation]) -> Iterator[tuple[Conversation, Captured]]:
     """Each whole sequence's features (and teacher top-k) from one fresh prefill, batched by the prefill budget."""
-    w = worker
+    d = decoder
     order = sorted(range(len(chats)), key=lambda i: len(chats[i].ids))  # similar lengths pad least
-    for group in token_batches([len(chats[i].ids) for i in order], w.prefill_tokens):
+    for group in token_batches([len(chats[i].ids) for i in order], d.plan.prefill_tokens):
         convs = [chats[order[g]] for g in group]
         outs = capture(
-            w.model,
+            d.model,
             [c.ids for c in convs],
             [c.mask for c in convs],
-            list(w.s.layer_ids),
-            pad_id=w.pad_id,
-            teacher_topk=w.layout.teacher_topk,
-            project=w.projection(),
+            list(d.s.layer_ids),
+            pad_id=d.encoder.pad_id,
+            teacher_topk=d.teacher_topk,
+            project=d.projection(),
         )
         yield from zip(convs, outs)

@@ -25,7 +25,8 @@ from flashdraft.model import extract_context_feature as our_extract
 from flashdraft.spec import TRAINED_THINKING_KEY, DraftSpec
 from flashdraft.target import frozen_head_from_model, load_config
 from harness.drafter import thinking_warning
-from pipeline.capture import capture, regenerate
+from pipeline.capture import capture
+from pipeline.decode import regenerate
 from tests.test_speculative import one_thread, tiny_target  # noqa: F401 (one_thread: autouse fixture)
 from tests.test_trainer_fixtures import tiny_store
 from tests.test_trainer_fixtures import tiny_target as tiny_target_dir

@@ -16,8 +16,10 @@ from flashdraft.target import capture_features, load_target
 from pipeline.decode import ContinuousDecode
 from pipeline.fleet import FleetConfig, run_fleet
 from pipeline.job import open_store
+from pipeline.plan import budgets, writer_threads
+from pipeline.settings import Task
 from pipeline.shardqueue import BackgroundShard
-from pipeline.worker import CaptureWorker, Task, writer_threads
+from pipeline.worker import CaptureWorker
 from tests.test_pipeline import LAYERS, build_tiny_target, settings_for, tiny
 
 PROMPTS = [[1, 5, 9, 3], list(range(7, 20)), [2], [4, 4, 4, 4, 4, 4], [8, 9], list(range(30, 52)), [3, 3, 7]]
@@ -181,10 +183,10 @@ def test_the_lookahead_task_is_decoded_ahead_committed_by_its_own_call_and_dropp
     recs = records(6)
     tasks = [Task(shard_name(k), tuple(recs[2 * k : 2 * k + 2])) for k in range(3)]
     worker = CaptureWorker(str(tmp_path), settings)
-    assert worker.threads == (0 if writer_threads == "auto" else writer_threads)
+    assert worker.plan.threads == (0 if writer_threads == "auto" else writer_threads)
     worker.run(tasks[0], lookahead=tasks[1])
     assert shard_dir(tmp_path, tasks[0].name).exists() and not shard_dir(tmp_path, tasks[1].name).exists()
-    assert len(worker._decode.waiting) < 2  # a prompt of the lookahead took the batch's free row at once
+    assert len(worker.decoder.shared.waiting) < 2  # a prompt of the lookahead took the batch's free row at once
     worker.run(tasks[1], lookahead=tasks[2])
     assert shard_dir(tmp_path, tasks[1].name).exists() and temp_shards(tmp_path, tasks[2].name)
     assert type(worker._ahead.shard) is writes
@@ -266,9 +268,11 @@ def test_the_worker_plans_its_batch_from_free_gpu_memory_when_given_some(tmp_pat
     settings = settings_for(target, batch_size="auto", torch_threads=1)
     open_store(tmp_path, settings, sources=["test"], store_options={})
     worker = CaptureWorker(str(tmp_path), settings)
-    rows, prefill, lines = worker.budgets(free=2 * 2**30)
+    model, topk = worker.model, worker.layout.teacher_topk
+    plan = lambda free: budgets(worker.s, model.config, model.dtype, topk, free)
+    rows, prefill, lines = plan(2 * 2**30)
     assert rows > 8 and prefill == 16384, lines
     assert any("GiB" in line or "free" in line for line in lines), lines
-    fewer, _, _ = worker.budgets(free=2**28)
+    fewer, _, _ = plan(2**28)
     assert 1 <= fewer < rows
-    assert worker.budgets(free=None)[:2] == (8, None)
+    assert plan(None)[:2] == (8, None)

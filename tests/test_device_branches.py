@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-SCANNED = ("flashdraft", "pipeline", "trainer", "harness", "entry", "jobs", "benchmarks", "scripts")
+SCANNED = ("flashdraft", "pipeline", "trainer", "harness", "gate", "entry", "jobs", "benchmarks", "scripts")
 
 # "path:function" -> the tests ("tests/file.py::test_name") that run its GPU side on a CPU
 GPU_SIDE_TESTS: dict[str, list[str]] = {
@@ -41,7 +41,7 @@ GPU_SIDE_TESTS: dict[str, list[str]] = {
         "tests/test_device_branches.py::test_auto_settings_resolve_for_cuda",
         "tests/test_capture_decode.py::test_overlap_and_staged_copies_give_what_the_plain_decode_gives_as_slots_grow_and_shrink",
     ],
-    "pipeline/worker.py:writer_threads": [
+    "pipeline/plan.py:writer_threads": [
         "tests/test_capture_decode.py::test_the_capture_workers_device_settings_resolve_by_device",
         "tests/test_capture_decode.py::test_a_shard_commits_in_its_writing_thread_while_the_decode_goes_on",
     ],
@@ -82,7 +82,9 @@ CPU_CANNOT: dict[str, str] = {
     "pipeline/hostcopy.py:HostCopy.__init__": "pinned host memory and a CUDA event "
     + GPU_ONLY
     + "; the staged path around them (fresh buffers, copy, wait) runs on a CPU with data.staged_copies=on",
-    "pipeline/worker.py:CaptureWorker.__init__": "loads the target on cuda and reads its free memory "
+    "pipeline/worker.py:load_capture_target": "device=auto asks torch whether a CUDA device exists; loading the "
+    "target on cuda " + GPU_ONLY,
+    "pipeline/plan.py:free_gpu_memory": "reads free GPU memory "
     + GPU_ONLY
     + "; the planning from free memory runs on a CPU (test_capture_decode.py, the worker plans from free memory)",
     "trainer/__main__.py:relaunch_per_gpu": "counts the visible GPUs; the rank count it decides is tested with counts "
@@ -94,12 +96,12 @@ CPU_CANNOT: dict[str, str] = {
     + SMOKE,
     "harness/speculative.py:clock": "torch.cuda.synchronize before a clock read " + GPU_ONLY + " (a CPU runs in order)",
     "benchmarks/bench_exact.py:main": "picks cuda where present; --device cpu runs the same measurements",
-    "benchmarks/gate.py:serve_reference": "the reference package's CUDA timer " + GPU_ONLY + " (replaced on a CPU)",
+    "gate/engines.py:serve_reference": "the reference package's CUDA timer " + GPU_ONLY + " (replaced on a CPU)",
     "jobs/gpu_paper_shapes.py:parse_args": "the device default: " + SMOKE,
     "jobs/gpu_paper_shapes.py:sync": "torch.cuda.synchronize " + GPU_ONLY,
     "jobs/gpu_paper_shapes.py:Part.__enter__": "peak GPU memory counters " + GPU_ONLY,
     "jobs/gpu_paper_shapes.py:Part.__exit__": "peak GPU memory counters " + GPU_ONLY,
-    "jobs/gpu_paper_shapes.py:budgets": "reads free GPU memory; the planning it feeds (pipeline.worker."
+    "jobs/gpu_paper_shapes.py:budgets": "reads free GPU memory; the planning it feeds (flashdraft.target.budgets."
     "capture_budgets) is tested with free memory given (test_capture_decode.py, the worker plans from free memory)",
     "jobs/gpu_paper_shapes.py:describe": "the GPU's name " + GPU_ONLY,
     "jobs/gpu_smoke.py:check_torch": "a CUDA build that sees a GPU " + GPU_ONLY,

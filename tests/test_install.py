@@ -280,7 +280,7 @@ def smoke_module():
 
 
 def test_smoke_reads_the_capture_summary_the_pipeline_prints(tmp_path):
-    from pipeline.fleet import Summary
+    from pipeline.summary import Summary
 
     summary = Summary(store="s", sequences=9, tokens=1500, new_sequences=8, new_tokens=1200, wall_s=4.0, read=8)
     summary.shards_done = 3

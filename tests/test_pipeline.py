@@ -16,10 +16,12 @@ from flashdraft.prompts import PromptSourceUnavailable, load_prompts
 from flashdraft.store import StoreError, StoreReader, read_manifest, read_rejects, verify_store
 from flashdraft.store.files import SHARDS
 from flashdraft.target import capture_features, chat_input_ids, load_tokenizer
-from pipeline.capture import TargetNaNError, capture, regenerate, regenerate_stream, token_batches
+from pipeline.capture import TargetNaNError, capture, token_batches
+from pipeline.decode import regenerate, regenerate_stream
 from pipeline.fleet import FleetConfig, run_fleet
 from pipeline.job import load_records, open_store
-from pipeline.worker import CaptureSettings, CaptureWorker
+from pipeline.settings import CaptureSettings
+from pipeline.worker import CaptureWorker
 
 LAYERS = [1, 3, 4]
 
@@ -329,11 +331,11 @@ def test_auto_batch_on_cpu_is_8_and_says_so(tmp_path, target, capsys):
     settings = settings_for(target, batch_size="auto")
     open_store(tmp_path / "s", settings, sources=["test"], store_options={})
     worker = CaptureWorker(str(tmp_path / "s"), settings)
-    assert (worker.batch_size, worker.prefill_tokens) == (8, None)  # the CPU regenerate path as before auto
+    assert (worker.plan.batch_size, worker.plan.prefill_tokens) == (8, None)  # the CPU regenerate path as before auto
     err = capsys.readouterr().err
     assert "decode batch 8 rows: auto on CPU" in err and "prefill budget unlimited: auto on CPU" in err
     capture_mode = CaptureWorker(str(tmp_path / "s"), settings_for(target, mode="capture", prefill_tokens="auto"))
-    assert capture_mode.prefill_tokens == 16384
+    assert capture_mode.plan.prefill_tokens == 16384
     assert "prefill budget 16,384 tokens: auto on CPU" in capsys.readouterr().err
     with pytest.raises(ValueError, match="data.batch_size must be a positive number or auto"):
         settings_for(target, batch_size="many")
@@ -401,7 +403,7 @@ def test_capture_mode_contract_prompt_as_regeneration_feeds_it_and_only_the_fina
     for rec, line in zip(records, lines):
         s = r.read(r.index(rec.seq_id))
         ids, mask = s.input_ids.tolist(), s.loss_mask.tolist()
-        prompt, _ = regenerating.encode(rec)
+        prompt, _ = regenerating.encoder.encode(rec)
         assert prompt == chat_input_ids(tok, line["messages"][:-1])  # the template, generation prompt included
         n = len(prompt)
         assert ids[:n] == prompt

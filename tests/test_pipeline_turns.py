@@ -73,8 +73,8 @@ def test_two_turns_are_one_sequence_as_a_greedy_chat_with_every_answer_in_the_lo
     assert [n["note"] for n in notes] == (
         [] if stops else ["turn 1's answer reached its token limit without a stop token; the template closes it"]
     )
-    conv = worker.encode(records[0])
-    [(_, out)] = list(regenerate_conversations(worker, [conv], seeds=lambda turn: turn))
+    conv = worker.encoder.encode(records[0])
+    [(_, out)] = list(regenerate_conversations(worker.decoder, [conv], seeds=lambda turn: turn))
     assert out.input_ids.tolist() == ids
     fresh = capture_features(worker.model, out.input_ids[None], LAYERS)[0]
     assert (out.features - fresh).abs().max() < 1e-4

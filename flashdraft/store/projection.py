@@ -178,6 +178,32 @@ def fit_projection(features, dims: int, *, method: str = "pca", chunk: int = 409
     )
 
 
+def calibration_prefix(sequences, tokens: int) -> list[list[int]]:
+    """The first `tokens` tokens of `sequences` (token id lists, taken in order and only as far as needed): whole
+    sequences, the last one cut to the tokens left (at least one token of each taken)."""
+    seqs, n = [], 0
+    for ids in sequences:
+        seqs.append(ids[: max(1, tokens - n)])
+        n += len(seqs[-1])
+        if n >= tokens:
+            break
+    return seqs
+
+
+def fit_store_basis(store_path, features, dims: int, *, method: str = "pca", **meta) -> tuple[dict, str]:
+    """Fit the basis of a projected store on its calibration `features` (`fit_projection`) and write it into the
+    store (`save_projection`, with `meta`); returns the manifest's `projection` entry and a line saying what the
+    basis keeps."""
+    proj = fit_projection(features, dims, method=method)
+    entry = save_projection(store_path, proj, **meta)
+    line = (
+        f"projection basis fitted on {proj.meta['calibration_tokens']} tokens: "
+        f"{proj.dims} of {proj.input_dims} dims keep {100 * proj.meta['explained']:.1f}% of the scaled "
+        f"features' second moment (sha256 {entry['sha256'][:12]})"
+    )
+    return entry, line
+
+
 def projection_file(store_path) -> Path:
     return Path(store_path) / PROJECTION_FILE
 
