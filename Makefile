@@ -80,7 +80,7 @@ endif
 eval: setup
 	$(PY) -m harness model=$(MODEL) $(PROFILE_ARG) $(ARGS)
 
-# The overfit gate (benchmarks/gate.py, issue #48): capture gate.sequences prompts in-process, train a drafter on them
+# The overfit gate (gate/, issue #48): capture gate.sequences prompts in-process, train a drafter on them
 # until its training tau nears the block size, export it, serve those prompts greedily in each engine of ENGINES
 # (harness, reference, llamacpp: the drafter and target as GGUF through llama-speculative-simple's draft-dflash, where
 # `make llamacpp` has cached a build, refused otherwise; its rounds are also set against the harness's); each must
@@ -89,18 +89,19 @@ eval: setup
 #   make gate ARGS="drafter.num_layers=2"      make gate ENGINES=harness,reference,llamacpp ARGS="drafter.num_layers=2"
 ENGINES ?= harness,reference
 gate: setup
-	$(PY) benchmarks/gate.py model=$(MODEL) 'gate.engines=[$(ENGINES)]' $(ARGS)
+	$(PY) -m gate model=$(MODEL) 'gate.engines=[$(ENGINES)]' $(ARGS)
 
 # The drafter (DRAFTER, default the profile's run: runs/$(PROFILE or quick)-$(MODEL)/drafter) and its target as GGUF
 # with llama.cpp's own converter, into GGUF_DIR (default: gguf/ next to the drafter), weights as GGUF_TYPE (f32 keeps
 # the harness's). `make llamacpp` builds llama.cpp from the llama-cpp-python sdist once into the cache (minutes).
+# Both run harness/llamacpp.py (llama.cpp's build, GGUF conversion and serving).
 GGUF_TYPE ?= f32
 export-gguf: setup
-	$(PY) benchmarks/llamacpp.py export-gguf $(or $(DRAFTER),runs/$(or $(PROFILE),quick)-$(MODEL)/drafter) \
+	$(PY) -m harness.llamacpp export-gguf $(or $(DRAFTER),runs/$(or $(PROFILE),quick)-$(MODEL)/drafter) \
 		--target $(MODEL) --outtype $(GGUF_TYPE) $(if $(GGUF_DIR),--out $(GGUF_DIR))
 
 llamacpp: setup
-	$(PY) benchmarks/llamacpp.py build
+	$(PY) -m harness.llamacpp build
 
 # The drafter served in llama.cpp against its plain decoding, its n-gram modes and the harness, with the parity
 # check (benchmarks/bench_llamacpp.py; builds llama.cpp and converts the GGUFs first when needed).

@@ -5,7 +5,7 @@
         [--modes plain dflash ngram-simple ngram-map-k ngram-mod] [--no-harness]
     make bench-llamacpp [ARGS="--limit 2"]
 
-Builds llama.cpp once into the cache and converts the drafter and its target to GGUF (benchmarks/llamacpp.py), then
+Builds llama.cpp once into the cache and converts the drafter and its target to GGUF (harness/llamacpp.py), then
 for each held-out prompt (rendered with the target's chat template, as the harness renders it) runs, greedy
 (`--temp 0 --top-k 1`), with the same batch, context, flash-attention and thread flags:
   plain   llama-completion, llama.cpp's own plain decoding (tokens/s from its `eval time` line: the decode steps after
@@ -39,25 +39,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-import llamacpp
-from llamacpp import (  # shared with the gate's llama.cpp leg (benchmarks/gate.py); the names stay importable here
-    SPEC_COUNT,  # noqa: F401
-    SPEC_DECODED,  # noqa: F401
-    SPEC_ROUND,  # noqa: F401
-    aligned_rounds,  # noqa: F401
-    common_flags,
-    common_prefix,
-    round_parity,
-    round_starts,  # noqa: F401
-    run_speculative,
-    write_prompt_file,
-)
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
 import flashdraft.target as ft
 from flashdraft.config import ChatConfig
 from flashdraft.prompts import load_prompts
+from harness import llamacpp  # llama.cpp's build, GGUF conversion and serving, shared with the gate's llama.cpp leg
+from harness.llamacpp import common_flags, common_prefix, round_parity, run_speculative, write_prompt_file
 
 PLAIN_EVAL = re.compile(r"eval time =\s*([\d.]+) ms /\s*(\d+) runs")
 

@@ -164,7 +164,7 @@ RULES: dict[str, Rule] = {
     "eval.datastore_min_count": count(meaning="times a datastore continuation was seen at least"),
     "eval.num_threads": count(meaning="torch CPU threads", null="torch's default"),
     "eval.seed": count(0, meaning="the eval's seed"),
-    # gate (benchmarks/gate.py)
+    # gate (gate/, `make gate`)
     "gate.sequences": count(meaning="prompts captured, trained on and served"),
     "gate.max_new_tokens": count(2, meaning="response tokens each"),
     "gate.max_steps": count(meaning="training steps at most"),

@@ -265,7 +265,7 @@ class TrainConfig:
     seed: int = 0
     resume: bool = True  # continue from the latest checkpoint in out_dir
     # stop once a step's training tau (sum over ranks) reaches this many tokens (None: train every planned step); the
-    # overfit gate (benchmarks/gate.py) stops near the block size with it. Set, every step is logged (log_every is
+    # overfit gate (gate/, `make gate`) stops near the block size with it. Set, every step is logged (log_every is
     # taken as 1): each step's tau is then on the host
     stop_tau: float | None = None
     stop_steps: int = 1  # ... on this many steps in a row (a step's tau is measured before its own update)
@@ -338,7 +338,7 @@ class EvalConfig:
     replay_store: str | None = None  # the eval prompts' store: served-order replay
 
 
-# --- gate (the root node `gate`; read by benchmarks/gate.py, `make gate`) -----------------------------
+# --- gate (the root node `gate`; read by the gate package, `make gate`) -------------------------------
 
 
 GATE_PLANTS = ("labels+1", "layers-1")

@@ -494,7 +494,8 @@ def llamacpp_gguf(tmp_path_factory):
     """llama.cpp's own converter (the vendored copy `make llamacpp` unpacks) on a drafter for the cached SmolLM2
     target (a Llama) with its RoPE scaled the Llama-3 way (only config.json changes: the converter reads the target's
     config and tokenizer, not its weights); the GGUF's metadata and tensor names read back with llama.cpp's gguf-py."""
-    llamacpp = pytest.importorskip("benchmarks.llamacpp")
+    from harness import llamacpp
+
     src = llamacpp.source_dir()
     cached = Path(os.environ.get("FLASHDRAFT_CACHE", Path.home() / ".cache" / "flashdraft")) / "targets"
     cached = cached / "SmolLM2-135M-Instruct"

