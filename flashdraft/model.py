@@ -329,15 +329,21 @@ class DFlashDrafter(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def save_pretrained(self, path: str | Path, dtype: torch.dtype | None = None) -> Path:
+        """config.json and model.safetensors at `path`, both world-readable (0644; a folder made here 0755):
+        safetensors writes its file 0600, which others on a shared cluster could not read."""
         path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
+        if not path.is_dir():
+            path.mkdir(parents=True)
+            path.chmod(0o755)
         state = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in self.state_dict().items()}
         config = export_config(self.config)
         config["dtype"] = str(dtype or next(self.parameters()).dtype).removeprefix("torch.")
         tmp = path / "model.safetensors.tmp"
         save_file(state, str(tmp), metadata={"format": "pt"})
+        tmp.chmod(0o644)
         tmp.replace(path / "model.safetensors")
         (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        (path / "config.json").chmod(0o644)
         return path
 
     @classmethod

@@ -26,6 +26,7 @@ from omegaconf import DictConfig
 
 from entry import register_configs, typed_config
 from flashdraft.config import Config, EvalConfig, thinking_setting
+from flashdraft.modelcard import CARD_FILE, SERVED_EVAL, set_card_section
 from flashdraft.store import StoreReader, is_store
 from flashdraft.target import (
     exact_gemm_rows,
@@ -54,7 +55,7 @@ from harness.methods import CHAIN, DRAFTER_METHODS, METHODS, TREE, DecodeSetting
 from harness.pictures import acceptance_lengths_by_source, plot_acceptance, plot_training
 from harness.policies import ChainPolicy, TreePolicy
 from harness.replay import replay_tau
-from harness.report import TIMING_NOTE, console_summary, write_report
+from harness.report import TIMING_NOTE, card_eval_text, console_summary, write_report
 from harness.summary import summarize
 from harness.training_log import read_metrics, train_serve_parity
 
@@ -402,7 +403,17 @@ def run(cfg: Config) -> dict:
     json_path, md_path = write_report(report, out_dir)
     print(console_summary(report))
     print(f"\nwrote {json_path} and {md_path}" + "".join(f", {out_dir / p}" for p in report["pictures"].values()))
+    write_card_eval(bench, config, report)
     return report
+
+
+def write_card_eval(bench: Bench, config: EvalConfig, report: dict) -> None:
+    """The results table into the evaluated drafter's model card (its README.md's served section, the rest kept),
+    where the drafter is a trained folder that has a card."""
+    if bench.proposer is None or bench.untrained or not config.drafter:
+        return
+    if set_card_section(config.drafter, SERVED_EVAL, card_eval_text(report)):
+        print(f"wrote the results into {Path(config.drafter) / CARD_FILE}")
 
 
 register_configs()

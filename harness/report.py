@@ -14,7 +14,9 @@ TIMING_NOTE = (
     "generate's first forward, which also verifies its first candidates) for every method. tau = tokens "
     "committed per target forward after the prefill. speedup = decode tokens/s over plain decoding's on the "
     "same prompts, both on the same target (with greedy, identical outputs: plain decode wall time / method decode "
-    "wall time). "
+    "wall time). break-even tau = the method's decode seconds a round / plain decoding's decode seconds a token, on "
+    "this machine: the tau at which a round costs what plain decoding pays for as many tokens, so speedup = tau / "
+    "break-even tau (blank for plain, which drafts nothing). "
     "plain and the dflash methods run the same harness loop (plain = block size 1, no drafter); prompt lookup runs "
     "transformers generate. With exact verification on ('exact verification' above; eval.exact) every method but "
     "plain_as_loaded runs the target made exact (GEMMs on tiles of at most 16 rows, a shorter tile zero-padded to the "
@@ -37,12 +39,14 @@ def _fmt(value, spec=".2f", unit="") -> str:
 
 def methods_table(methods: dict) -> str:
     lines = [
-        "| method | tau | tokens/s | speedup | lossless | decode tokens | decode s |",
-        "|---|---|---|---|---|---|---|",
+        "| method | tau | break-even tau | tokens/s | speedup | lossless | decode tokens | decode s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, m in methods.items():
+        even = m.get("break_even_tau")  # None: plain, or a report written before it was measured
         lines.append(
-            f"| {name} | {_fmt(m['tau'])} | {_fmt(m['tokens_per_s'])} | {_fmt(m['speedup'], unit='x')} |"
+            f"| {name} | {_fmt(m['tau'])} | {'' if even is None else _fmt(even)} | {_fmt(m['tokens_per_s'])} |"
+            f" {_fmt(m['speedup'], unit='x')} |"
             f" {_fmt(m['lossless'])} "
             f"| {m['decode_tokens']} | {_fmt(m['decode_s'])} |"
         )
@@ -262,6 +266,29 @@ def console_summary(report: dict) -> str:
     if parity := report.get("train_serve_parity"):
         lines.append(parity_line(parity) + (f"\n  {parity['explanation']}" if parity["explanation"] else ""))
     return "\n".join(lines)
+
+
+def card_eval_text(report: dict) -> str:
+    """The served results as the drafter's model card shows them (`flashdraft.modelcard.SERVED_EVAL`): the settings
+    in a sentence, the methods table, what its columns mean."""
+    s = report["settings"]
+    exact = s.get("exact") or {}
+    prompts = ", ".join(f"{k} ({v})" for k, v in s["prompt_counts"].items())
+    return "\n".join(
+        [
+            f"Served, measured by the harness (`python -m harness`) on {s['date']}: target `{s['target']}`, "
+            f"{s['device']} ({s['dtype']}, torch threads {s['torch_threads']}), prompts {prompts} ({s['split']} "
+            f"split), max_new_tokens {s['max_new_tokens']}, temperature {s['temperature']}, block size "
+            f"{s['block_size']}, exact verification {'on' if exact.get('on') else 'off'}.",
+            "",
+            methods_table(report["methods"]),
+            "",
+            "tau: tokens committed per target forward after the prefill, bonus included. speedup: decode tokens/s over "
+            "plain decoding's on the same prompts. break-even tau: the tau at which a round would cost what plain "
+            "decoding pays for as many tokens, on this machine (speedup = tau / break-even tau); it moves with the "
+            "hardware, tau does not.",
+        ]
+    )
 
 
 def write_report(report: dict, out_dir) -> tuple[Path, Path]:

@@ -14,6 +14,19 @@ def _decode_throughput(records, method) -> tuple[int, float]:
     return sum(sum(run["acceptance_lengths"]) for run in runs), sum(run["decode_s"] for run in runs)
 
 
+def break_even_tau(records, method, rounds: int, decode_s: float) -> float | None:
+    """The tau at which `method` would decode as fast as plain decoding on this machine: its mean seconds a round
+    over plain decoding's seconds a token, both from decode wall time (prefill excluded), the timing the speedup uses,
+    so speedup = tau / break-even tau. None for a method that drafts nothing (plain itself and plain_as_loaded: a
+    round is one token), or without plain's timing in the records."""
+    if METHODS[method].policy is METHODS[PLAIN].policy or PLAIN not in records[0]["methods"] or not rounds:
+        return None
+    plain_tokens, plain_s = _decode_throughput(records, PLAIN)
+    if not plain_tokens or plain_s <= 0 or decode_s <= 0:
+        return None
+    return (decode_s / rounds) / (plain_s / plain_tokens)
+
+
 def first_difference(tokens: list[int], plain: list[int]) -> int | None:
     """The tokens a method's output shares with plain decoding's before they first differ (None: identical)."""
     if tokens == plain:
@@ -35,6 +48,7 @@ def method_summary(records, method, *, greedy: bool, block_size: int | None = No
         "prefill_s": sum(run["prefill_s"] for run in runs),
         "rounds": len(rounds),
         "tau": decode_tokens / len(rounds) if rounds else None,
+        "break_even_tau": break_even_tau(records, method, len(rounds), decode_s),
         "tokens_per_s": decode_tokens / decode_s if decode_s > 0 else None,
         "speedup": None,
         "lossless": None,

@@ -189,7 +189,7 @@ def test_plain_as_loaded_decodes_a_copy_of_the_target_without_exact_verification
     md = (tmp_path / "eval" / "report.md").read_text()
     assert "- exact verification, GEMM rows (a shorter tile padded to): " in md
     assert "- exact verification: on (eval.exact=on); greedy outputs must equal plain decoding's (lossless)" in md
-    assert "| method | tau | tokens/s | speedup | lossless | decode tokens | decode s |" in md
+    assert "| method | tau | break-even tau | tokens/s | speedup | lossless | decode tokens | decode s |" in md
     assert "| plain_as_loaded | 1.00 |" in md and "plain_as_loaded decodes a copy of the target as loaded" in md
     assert "## Agreement with plain decoding" not in md
 
@@ -259,6 +259,41 @@ def test_trained_drafter_is_loaded_and_sampling_runs(target_dir, tmp_path):
     assert report["methods"].keys() == {"plain", "dflash"} and report["methods"]["dflash"]["lossless"] is None
     assert s["exact"]["on"] is False and s["exact"]["why"].startswith("auto: sampling")  # the speed a user gets
     assert "warning" not in report
+
+
+def test_break_even_tau_gives_the_speedup_and_the_drafters_card_gets_the_table(target_dir, tmp_path):
+    """break-even tau = a method's decode seconds a round / plain decoding's a token, the timing the speedup uses:
+    speedup = tau / break-even tau for each method that drafts; plain drafts nothing and has none. The results table
+    goes into the evaluated drafter's model card, the rest of the card kept."""
+    from huggingface_hub import ModelCard
+
+    from flashdraft.modelcard import LIBRARY_NAME, SERVED_EVAL, write_card
+
+    drafter = tiny_drafter(tiny_target("llama", vocab=320), block_size=4, mask_token_id=310, layers=1)
+    folder = drafter.save_pretrained(tmp_path / "drafter")
+    write_card(folder, target=str(target_dir), stores=[], recipe={}, steps=1, tokens_seen=1)
+    before = (folder / "README.md").read_text()
+    methods = "eval.methods=[plain,prompt_lookup,dflash]"
+    run(eval_settings(overrides(target_dir, tmp_path, f"eval.drafter={folder}", methods, "eval.prompts=[humaneval]")))
+    report = json.loads((tmp_path / "eval" / "report.json").read_text())
+    for m in (report["methods"], {k: v["by_source"]["humaneval"] for k, v in report["methods"].items()}):
+        assert m["plain"]["break_even_tau"] is None
+        plain_token_s = m["plain"]["decode_s"] / m["plain"]["decode_tokens"]
+        for name in ("prompt_lookup", "dflash"):
+            round_s = m[name]["decode_s"] / m[name]["rounds"]
+            assert m[name]["break_even_tau"] == pytest.approx(round_s / plain_token_s, rel=1e-12)
+            assert m[name]["speedup"] == pytest.approx(m[name]["tau"] / m[name]["break_even_tau"], rel=1e-9)
+    m = report["methods"]
+    md = (tmp_path / "eval" / "report.md").read_text()
+    assert (
+        "| plain | 1.00 |  |" in md
+        and f"| dflash | {m['dflash']['tau']:.2f} | {m['dflash']['break_even_tau']:.2f} |" in md
+    )
+    card = (folder / "README.md").read_text()
+    assert f"| prompt_lookup | {m['prompt_lookup']['tau']:.2f} | {m['prompt_lookup']['break_even_tau']:.2f} |" in card
+    served = card.index(f"<!-- flashdraft:{SERVED_EVAL} -->")
+    assert card[:served] == before[:served] and "not measured yet" not in card
+    assert ModelCard(card).data.library_name == LIBRARY_NAME
 
 
 def test_an_eval_block_size_the_drafter_does_not_fit_is_refused_by_name(target_dir, tmp_path):

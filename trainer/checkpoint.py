@@ -243,11 +243,12 @@ def _new_tag(root: Path, step: int) -> str:
     return from_rank0(tag)
 
 
-def export_drafter(drafter_cls, config, state: dict, out: Path, dtype=None, projection=None) -> Path:
+def export_drafter(drafter_cls, config, state: dict, out: Path, dtype=None, projection=None, card=None) -> Path:
     """Write the drafter as a published-format HF folder at `out`, replacing it in one atomic step: a crash at any
     moment leaves the previous drafter or the new one at `out`, both whole. A drafter trained on a projected store
     (`projection`: its basis) is exported folded: fc = fc' @ P^T reads the raw features, its config's
-    `feature_projection` (the basis's sha256) marked folded."""
+    `feature_projection` (the basis's sha256) marked folded. `card(folder)` (None: no card) writes the folder's
+    README.md (`flashdraft.modelcard.write_card`) before the swap, so the card comes and goes with its weights."""
     out = Path(out)
     if projection is not None:
         from flashdraft.model import fold_projection
@@ -264,6 +265,8 @@ def export_drafter(drafter_cls, config, state: dict, out: Path, dtype=None, proj
         fsync_dir(out.parent)
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, dtype=dtype)
+    if card is not None:
+        card(tmp)
     fsync_tree(tmp)
     if not out.exists():
         os.replace(tmp, out)

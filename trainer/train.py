@@ -8,6 +8,7 @@ eval, checkpoint). What the ranks share is done by small helpers: the steps' sum
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from contextlib import closing
@@ -20,6 +21,14 @@ from tqdm import tqdm
 
 from flashdraft.config import DrafterConfig, TrainConfig
 from flashdraft.model import DFlashDrafter
+from flashdraft.modelcard import (
+    OFFLINE_EVAL,
+    offline_eval_text,
+    set_card_section,
+    store_facts,
+    train_recipe,
+    write_card,
+)
 from flashdraft.spec import TRAINED_THINKING_KEY, DraftSpec
 from flashdraft.speculators_format import PEER_SUFFIX, to_speculators
 from flashdraft.target import load_config, load_frozen_head, text_config
@@ -176,7 +185,7 @@ def train_run(cfg: TrainConfig, proc: Process, spec: DraftSpec, target_config, p
     progress = resume(engine, ckpt_root, tag) if tag else Progress()
     last_saved = progress.global_step if tag else -1
     log = open_log(cfg, spec, proc, resume_step=progress.global_step if tag else 0)
-    save = partial(save_run, engine, ckpt_root, cfg, draft_config, proc.dtype, projection)
+    save = partial(save_run, engine, ckpt_root, cfg, draft_config, proc.dtype, projection, metrics_path=log.path)
     evaluate = partial(evaluate_heldout, engine, forward, eval_data, heldout, cfg.eval_batches)
     sync = partial(sync_steps, engine, proc, cfg.grad_accum, progress, ckpt_root)
 
@@ -217,6 +226,7 @@ def train_run(cfg: TrainConfig, proc: Process, spec: DraftSpec, target_config, p
             save(progress)
         if not every(cfg.eval_every, progress.global_step):
             final.update(log_eval(log, evaluate(), progress.global_step))
+            refresh_offline_eval(cfg, ckpt_root, log.path)  # the last export's card: this eval came after it
     finally:
         bar.close()
         log.close()
@@ -525,10 +535,18 @@ def every(n: int, step: int) -> bool:
 
 
 def save_run(
-    engine, ckpt_root: Path, cfg: TrainConfig, draft_config, dtype: torch.dtype, projection, progress: Progress
+    engine,
+    ckpt_root: Path,
+    cfg: TrainConfig,
+    draft_config,
+    dtype: torch.dtype,
+    projection,
+    progress: Progress,
+    metrics_path: Path | None = None,
 ) -> int:
-    """A checkpoint of the run as it stands, the drafter exported into it (all ranks; folded with the stores'
-    `projection` where they are projected); returns its step."""
+    """A checkpoint of the run as it stands, the drafter exported into it with its model card (all ranks; folded
+    with the stores' `projection` where they are projected; the card's offline eval the newest in `metrics_path`);
+    returns its step."""
     client_state = {
         **asdict(progress),
         "dtype": dtype_name(dtype),
@@ -536,20 +554,67 @@ def save_run(
         "train_config": asdict(cfg),
     }
     verifier = cfg.target if cfg.export_speculators else None
-    export = partial(export_copies, engine, draft_config, dtype, cfg.drafter_dir, projection=projection, peer=verifier)
+    card = partial(drafter_card, cfg, draft_config, dtype, replace(progress), metrics_path)
+    export = partial(
+        export_copies, engine, draft_config, dtype, cfg.drafter_dir, projection=projection, peer=verifier, card=card
+    )
     save_checkpoint(engine, ckpt_root, progress.global_step, client_state, export=export, keep=cfg.keep_checkpoints)
     return progress.global_step
 
 
 def export_copies(
-    engine, draft_config, dtype: torch.dtype, copy_to: str | None, path: Path, projection=None, peer=None
+    engine, draft_config, dtype: torch.dtype, copy_to: str | None, path: Path, projection=None, peer=None, card=None
 ) -> None:
     """The drafter at `path` and at `copy_to`: every rank gathers the weights (a collective under ZeRO-3), rank 0
     writes. `peer` (the target, named as the verifier; None: not written): each also in the peer's format at
-    `<folder>-speculators` beside it (train.export_speculators)."""
+    `<folder>-speculators` beside it (train.export_speculators). `card()` (rank 0; None: no card): the function that
+    writes a folder's model card (`drafter_card`)."""
     state = gathered_state_dict(engine)
     if is_rank_zero():
+        write = card() if card is not None else None
         for out in [Path(path)] + ([Path(copy_to)] if copy_to else []):
-            export_drafter(DFlashDrafter, draft_config, state, out, dtype=dtype, projection=projection)
+            export_drafter(DFlashDrafter, draft_config, state, out, dtype=dtype, projection=projection, card=write)
             if peer is not None:
                 to_speculators(out, out.with_name(out.name + PEER_SUFFIX), peer)
+
+
+def drafter_card(cfg: TrainConfig, draft_config, dtype: torch.dtype, progress: Progress, metrics_path: Path | None):
+    """`write_card` with this run's facts (flashdraft.modelcard): the target, the stores' counts and sources, the
+    recipe as resolved, the steps trained and the newest held-out eval logged in `metrics_path`."""
+    gamma = cfg.gamma if cfg.gamma is not None else default_gamma(draft_config.block_size)
+    return partial(
+        write_card,
+        target=cfg.target,
+        stores=store_facts(cfg.stores),
+        eval_stores=store_facts(cfg.eval_stores),
+        recipe=train_recipe(cfg, gamma, dtype_name(dtype)),
+        steps=progress.global_step,
+        tokens_seen=progress.tokens_seen,
+        offline_eval=last_eval_row(metrics_path),
+    )
+
+
+def last_eval_row(metrics_path: Path | None) -> dict | None:
+    """The newest eval/* row of the run's metrics.jsonl (None: none logged yet; a torn line, left by a killed run
+    until its resume truncates the file, is passed over)."""
+    if metrics_path is None or not Path(metrics_path).is_file():
+        return None
+    for line in reversed(Path(metrics_path).read_text().splitlines()):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and "eval/tau" in row:
+            return row
+    return None
+
+
+def refresh_offline_eval(cfg: TrainConfig, ckpt_root: Path, metrics_path: Path) -> None:
+    """Rank 0: the offline eval of the last export's cards (in the latest checkpoint and at train.drafter_dir) made
+    the newest logged, where an eval came after the export."""
+    tag = latest_tag(ckpt_root)
+    if not is_rank_zero() or tag is None:
+        return
+    text = offline_eval_text(last_eval_row(metrics_path))
+    for folder in [ckpt_root / tag / "drafter"] + ([Path(cfg.drafter_dir)] if cfg.drafter_dir else []):
+        set_card_section(folder, OFFLINE_EVAL, text)

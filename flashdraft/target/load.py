@@ -22,6 +22,8 @@ from flashdraft.target.family import text_config
 
 EMBEDDED_NAME = "smollm2-135m"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the hub model the embedded GGUF was made from
+EMBEDDED_ALIASES = (EMBEDDED_NAME, "embedded", "embedded:" + EMBEDDED_NAME)  # the names of the embedded default
 
 
 def cache_dir() -> Path:
@@ -56,7 +58,7 @@ def materialize_embedded(force: bool = False) -> Path:
     model.is_quantized = False
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.config.name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    model.config.name_or_path = EMBEDDED_HUB_ID
     tmp = out.with_name(out.name + ".tmp")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
@@ -79,7 +81,7 @@ def file_sha256(path: Path) -> str:
 
 def resolve_target(name_or_path: str) -> str:
     """Map a target name to something `from_pretrained` takes (a local folder or a hub id)."""
-    if name_or_path in (EMBEDDED_NAME, "embedded", "embedded:" + EMBEDDED_NAME):
+    if name_or_path in EMBEDDED_ALIASES:
         return str(materialize_embedded())
     return str(name_or_path)
 
