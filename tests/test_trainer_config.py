@@ -160,7 +160,7 @@ def test_profiles_compose_for_every_stage(name):
     tc = train_config(cfg)
     assert tc.init == "target" and drafter_config(cfg).block_size == 8 and tc.dtype == "auto"
     assert (tc.num_anchors, tc.lr) == (16, 2e-3)
-    assert tc.gamma == {"quick": 1, "full": 2}[name]  # measured per profile (docs/results.md, "What we tried")
+    assert tc.gamma == {"quick": 1, "full": 2}[name]  # measured per profile (docs/notebook.md, "What we tried")
     assert tc.stores == [f"{run}/features"] and tc.eval_stores == [f"{run}/features-heldout"]
     assert cfg.eval.metrics == f"{run}/train/metrics.jsonl" and cfg.data.split == "train"
     held = profile(name, data="heldout")

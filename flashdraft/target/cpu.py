@@ -22,7 +22,7 @@ def cpu_has_bf16_tiles() -> bool:
 def cpu_has_fast_bf16() -> bool:
     """AMX tiles, or AVX512-BF16 dot products (AMD Zen 4, Intel Cooper Lake). Serving picks bf16 there: even where
     bf16 GEMMs are slower than fp32 ones, exact bf16 serving beats exact fp32, which pads more GEMM rows
-    (docs/results.md). Training asks `cpu_bf16_gemm_speedup` instead."""
+    (docs/notebook.md). Training asks `cpu_bf16_gemm_speedup` instead."""
     return cpu_has_bf16_tiles() or _cpu_supports("_is_avx512_bf16_supported")
 
 
@@ -30,7 +30,7 @@ def cpu_bf16_gemm_speedup(rows: int = 256) -> float:
     """fp32 time / bf16 time of a training-sized GEMM on this CPU at the current thread count (> 1: bf16 is faster).
     Timed once a process: the forward and both backward products of a [rows, 576] x [576, 1536] linear, the
     dtypes interleaved, best of 3. AVX512-BF16 without AMX runs such GEMMs slower than fp32 on some CPUs and faster
-    on others (docs/results.md), so the capability flags cannot decide."""
+    on others (docs/notebook.md), so the capability flags cannot decide."""
     return _bf16_gemm_speedup(rows, torch.get_num_threads())
 
 
