@@ -24,14 +24,20 @@ def estimate(tmp_path, *overrides):
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.fixture(scope="module")
+def nemotron(tmp_path_factory):
+    """`estimate model=qwen3-8b data=nemotron`, run once for the tests that read its output."""
+    return estimate(tmp_path_factory.mktemp("estimate"), "data=nemotron")
+
+
 def number(text: str, pattern: str) -> float:
     m = re.search(pattern, text)
     assert m, f"{pattern!r} not in:\n{text}"
     return float(m.group(1).replace(",", ""))
 
 
-def test_offline_estimate_of_nemotron_follows_the_conf_figures(tmp_path):
-    r = estimate(tmp_path, "data=nemotron")
+def test_offline_estimate_of_nemotron_follows_the_conf_figures(nemotron):
+    r = nemotron
     out = r.stdout
     assert r.returncode in (0, 1), r.stderr
     assert ("DOES NOT FIT" in out) == (r.returncode == 1)
@@ -106,9 +112,9 @@ def test_files_per_shard_counts_a_real_shard(tmp_path, dtype, topk):
     assert (files_per_shard(lay), dirs_per_shard(lay)) == (files, dirs)
 
 
-def test_the_estimate_prints_every_projected_option(tmp_path):
+def test_the_estimate_prints_every_projected_option(nemotron):
     """Issue #47: r = H, 2H, 2.5H features a token (one fp8 scale a token), in bf16 and fp8, beside the raw sizes."""
-    r = estimate(tmp_path, "data=nemotron")
+    r = nemotron
     out = r.stdout
     assert r.returncode in (0, 1), r.stderr
     tokens = number(out, r"prompts \(train split\), ([\d,]+) tokens")

@@ -4,7 +4,8 @@ pruning them), no intact step is refused by name, one trainer a run (a second re
 lock taken over), and a resume on stores of another feature basis refused by name.
 
 Each run is a tiny one on a CPU (tests/test_trainer_fixtures.py): a module's run saves steps 2, 3 and 4, and each
-test damages a copy of it and trains again."""
+test damages a copy of it and trains again, in this process where the test is not about processes (a second trainer,
+a killed one, two ranks)."""
 
 import json
 import os
@@ -20,7 +21,7 @@ import torch
 
 from flashdraft.store import StoreReader, write_store
 from flashdraft.store.projection import fit_projection, save_projection
-from tests.test_trainer_fixtures import STORE_LAYERS, H, metrics, run_training, tiny_store, tiny_target
+from tests.test_trainer_fixtures import STORE_LAYERS, H, metrics, run_training, tiny_store, tiny_target, train_here
 from tests.test_trainer_fixtures import train_kwargs as fixture_kwargs
 
 MODEL_FILE, OPTIM_FILE = "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"
@@ -40,7 +41,7 @@ def saved(tmp_path_factory):
     target = tiny_target(tmp / "target")
     store = tiny_store(tmp / "store", target, n=24)
     kw = train_kwargs(tmp / "run", store.path, target)
-    run_training(tmp / "run", kw)
+    train_here(kw)
     assert tags(tmp / "run") == ["step-00000002", "step-00000003", "step-00000004"]
     return tmp / "run", kw, target, store
 
@@ -61,11 +62,11 @@ def tags(run: Path) -> list[str]:
     return sorted(p.name for p in root(run).glob("step-*"))
 
 
-def train(run: Path, kw: dict, drafter=None) -> subprocess.CompletedProcess:
-    """Train again in `run`, returning the process however it ended (stdout and stderr together)."""
-    proc = run_training(run, kw, wait=False, drafter=drafter)
-    out, _ = proc.communicate(timeout=300)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+def train(kw: dict, drafter=None) -> subprocess.CompletedProcess:
+    """Train again (in this process) on `kw`, returning how it ended: stdout and stderr together in stdout, as a
+    process started with stderr=STDOUT gives them."""
+    done = train_here(kw, drafter, check=False)
+    return subprocess.CompletedProcess(done.args, done.returncode, done.stdout + done.stderr, "")
 
 
 def tree(folder: Path) -> dict:
@@ -80,7 +81,7 @@ def test_latest_naming_a_deleted_step_resumes_from_the_newest_intact_one_and_kee
     run, kw = copy_run(saved, tmp_path)
     before = metrics(run / "run")
     shutil.rmtree(root(run) / "step-00000004")
-    done = train(run, kw)
+    done = train(kw)
     assert done.returncode == 0, done.stdout[-3000:]
     missing = f"{root(run) / 'latest'} names step-00000004, which cannot be resumed: {root(run) / 'step-00000004'} is"
     assert (
@@ -141,7 +142,7 @@ def test_a_broken_step_named_by_latest_falls_back_to_the_newest_intact_one_namin
     spoil, name, says = DAMAGES[damage]
     step4 = root(run) / "step-00000004"
     spoil(step4)
-    done = train(run, kw)
+    done = train(kw)
     assert done.returncode == 0, done.stdout[-3000:]
     bad = step4 / name if name else step4
     assert f"names step-00000004, which cannot be resumed: {bad} {says}" in done.stdout, done.stdout[-3000:]
@@ -159,7 +160,7 @@ def test_no_intact_step_is_refused_naming_each_and_nothing_is_touched(saved, tmp
     truncate(root(run) / "step-00000003" / OPTIM_FILE)
     (root(run) / "step-00000002" / "client_state.json").unlink()
     before = tree(Path(kw["out_dir"]))
-    done = train(run, kw)
+    done = train(kw)
     assert done.returncode != 0
     out = done.stdout
     assert f"no checkpoint in {root(run)} can be resumed: {root(run) / 'step-00000004'} is empty; " in out, out[-3000:]
@@ -198,7 +199,7 @@ def test_a_second_trainer_on_one_out_dir_is_refused_by_name_and_the_first_comple
         holder = wait_for_lock(lock, first)
         os.kill(first.pid, signal.SIGSTOP)  # the first holds the lock mid-run, whatever the machine's speed
         before = tree(Path(kw["out_dir"]))
-        second = train(tmp_path / "second", kw)
+        second = train(kw)  # in this process: another than the first
         assert tree(Path(kw["out_dir"])) == before, "the refused trainer changed the run's folder"
     finally:
         if first.returncode is None:
@@ -223,7 +224,7 @@ def test_the_lock_of_a_killed_trainer_is_taken_over_and_said(saved, tmp_path):
     holder = wait_for_lock(lock, dead)
     dead.kill()
     dead.communicate(timeout=60)
-    proc = run_training(run, kw)  # resumes at step 4, the last: nothing left to train
+    proc = train_here(kw)  # resumes at step 4, the last: nothing left to train
     took = (
         f"took over the lock {lock} of an earlier trainer (host {socket.gethostname()}, pid {dead.pid}, "
         f"started {holder['started']}; no longer running)"
@@ -265,7 +266,7 @@ def projected(saved, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("projected")
     store, sha = projected_store(tmp / "features", raw)
     kw = train_kwargs(tmp / "run", store, target, max_steps=2)
-    run_training(tmp / "run", kw, drafter=ALL_LAYERS)
+    train_here(kw, drafter=ALL_LAYERS)
     return tmp / "run", kw, sha, raw
 
 
@@ -274,7 +275,7 @@ def test_a_resume_on_a_store_recreated_with_another_basis_is_refused_by_name(pro
     run, kw = copy_run(projected, tmp_path)
     store, sha_b = projected_store(tmp_path / "features", raw, calibration_rows=200)  # the same data, basis B
     assert sha_b != sha_a
-    done = train(run, {**kw, "stores": [str(store)]}, drafter=ALL_LAYERS)
+    done = train({**kw, "stores": [str(store)]}, drafter=ALL_LAYERS)
     assert done.returncode != 0 and "resumed from" not in done.stdout
     assert (
         f"train.stores {[str(store)]} hold features projected by the basis sha256 {sha_b[:12]}, but the checkpoint "
@@ -287,7 +288,7 @@ def test_a_resume_on_a_store_recreated_with_another_basis_is_refused_by_name(pro
 def test_a_projected_checkpoint_resumed_on_a_raw_store_is_refused_by_name(projected, tmp_path):
     _, _, sha_a, raw = projected
     run, kw = copy_run(projected, tmp_path)
-    done = train(run, {**kw, "stores": [str(raw.path)]}, drafter=ALL_LAYERS)
+    done = train({**kw, "stores": [str(raw.path)]}, drafter=ALL_LAYERS)
     assert done.returncode != 0 and "size mismatch" not in done.stdout
     assert (
         f"train.stores {[str(raw.path)]} hold raw features, but the checkpoint {root(run) / 'step-00000002'} was "

@@ -7,21 +7,26 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
-import textwrap
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import Qwen3Config
 
+from flashdraft.model import DFlashDrafter
 from flashdraft.prompts import load_prompts
+from flashdraft.spec import DraftSpec
 from flashdraft.store import StoreError, StoreReader, read_manifest, verify_store, write_store
 from flashdraft.store.files import MANIFEST, shard_dir, shard_seq_ids
 from pipeline.fleet import FleetConfig, run_fleet
 from pipeline.job import load_records, open_store
-from tests.test_faults_writer import env, pipeline_cmd, prompt_ids, run, stored_once
+from tests.test_faults_writer import command_here, env, pipeline_cmd, prompt_ids, run, stored_once
 from tests.test_pipeline import build_tiny_target, settings_for
 from tests.test_store import make_sequences, small
+from tests.test_trainer_fixtures import as_a_process
+from trainer import checkpoint as ck
+from trainer.engine import build_engine, init_distributed, setup_distributed_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -137,141 +142,155 @@ def test_every_rename_that_commits_store_data_is_followed_by_an_fsync_of_its_fol
 
 # --- 3. checkpoints and exports: fsynced, and a crash at any step leaves a loadable one ---------------------------
 
-CKPT_SCRIPT = textwrap.dedent("""
-    import copy, json, os, shutil, sys
-    from pathlib import Path
-    import torch
-    from transformers import Qwen3Config
-    from flashdraft.model import DFlashDrafter
-    from flashdraft.spec import DraftSpec
-    from trainer import checkpoint as ck
-    from trainer.engine import build_engine, init_distributed, setup_distributed_env
 
-    out = Path(sys.argv[1])
-    setup_distributed_env()
-    init_distributed(torch.device("cpu"))
-    target = Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64)
-    config = DraftSpec((1, 2), mask_token_id=96, block_size=4, num_draft_layers=1).draft_config(target)
-    engine, _ = build_engine(DFlashDrafter(config), lr=1e-3, weight_decay=0.0, betas=(0.9, 0.95), warmup_steps=1,
-                             total_steps=10, zero_stage=0, grad_accum=1, grad_clip=1.0, bf16=False)
+class Crash(BaseException):
+    """Raised at the k-th filesystem call of a save: the process stops there (nothing after it runs, nothing before
+    it is undone)."""
 
-    def weights():
-        return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
 
-    def set_weights(w):
+class Steps:
+    """The filesystem calls of a save or an export, counted; `crash_at` k raises Crash at the k-th."""
+
+    names = [(os, "replace"), (os, "rename"), (os, "fsync"), (os, "unlink"), (shutil, "rmtree")]
+
+    def __init__(self, crash_at=None):
+        self.crash_at, self.count, self.fsynced, self.real = crash_at, 0, [], {}
+
+    def __enter__(self):
+        for mod, name in self.names:
+            real = getattr(mod, name)
+            self.real[(mod, name)] = real
+            setattr(mod, name, self.wrap(name, real))
+        return self
+
+    def wrap(self, name, real):
+        def step(*a, **kw):
+            if self.count == self.crash_at:
+                raise Crash(name)
+            self.count += 1
+            if name == "fsync":
+                self.fsynced.append(os.readlink(f"/proc/self/fd/{a[0]}"))
+            return real(*a, **kw)
+
+        return step
+
+    def __exit__(self, *exc):
+        for (mod, name), real in self.real.items():
+            setattr(mod, name, real)
+        return exc[0] is Crash
+
+
+class Saves:
+    """A one-layer drafter's DeepSpeed engine (ZeRO 0) in this process, and what its saves and exports leave."""
+
+    def __init__(self):
+        setup_distributed_env()
+        init_distributed(torch.device("cpu"))
+        target = Qwen3Config(
+            vocab_size=97,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            max_position_embeddings=64,
+        )
+        self.config = DraftSpec((1, 2), mask_token_id=96, block_size=4, num_draft_layers=1).draft_config(target)
+        model = DFlashDrafter(self.config)
+        optim = dict(lr=1e-3, weight_decay=0.0, betas=(0.9, 0.95), warmup_steps=1, total_steps=10)
+        self.engine, _ = build_engine(model, **optim, zero_stage=0, grad_accum=1, grad_clip=1.0, bf16=False)
+
+    def weights(self) -> dict:
+        return {k: v.detach().clone() for k, v in self.engine.module.state_dict().items()}
+
+    def set_weights(self, w) -> None:
         with torch.no_grad():
-            engine.module.load_state_dict(w)
+            self.engine.module.load_state_dict(w)
 
-    def same(a, b):
-        return all(torch.equal(a[k], b[k]) for k in a)
+    def export(self, path, weights=None) -> None:
+        ck.export_drafter(DFlashDrafter, self.config, self.weights() if weights is None else weights, path)
 
-    def export(path):
-        ck.export_drafter(DFlashDrafter, config, weights(), path)
+    def save(self, root, step, crash_at=None) -> tuple[Path | None, Steps]:
+        """(the step's folder (None: crashed), the filesystem calls the save made)."""
+        with Steps(crash_at) as steps:
+            final = ck.save_checkpoint(self.engine, root, step, {"global_step": step}, export=self.export)
+        return (final if crash_at is None else None), steps
 
-    class Crash(BaseException):
-        pass
-
-    class Steps:
-        # the filesystem calls of a save or an export; `crash_at` k raises Crash at the k-th (the process stops
-        # there: nothing after it runs, nothing before it is undone)
-        names = [(os, "replace"), (os, "rename"), (os, "fsync"), (os, "unlink"), (shutil, "rmtree")]
-
-        def __init__(self, crash_at=None):
-            self.crash_at, self.count, self.fsynced, self.real = crash_at, 0, [], {}
-
-        def __enter__(self):
-            for mod, name in self.names:
-                real = getattr(mod, name)
-                self.real[(mod, name)] = real
-                setattr(mod, name, self.wrap(name, real))
-            return self
-
-        def wrap(self, name, real):
-            def step(*a, **kw):
-                if self.count == self.crash_at:
-                    raise Crash(name)
-                self.count += 1
-                if name == "fsync":
-                    self.fsynced.append(os.readlink(f"/proc/self/fd/{a[0]}"))
-                return real(*a, **kw)
-            return step
-
-        def __exit__(self, *exc):
-            for (mod, name), real in self.real.items():
-                setattr(mod, name, real)
-            return exc[0] is Crash
-
-    def loadable(root, allowed):
-        # the checkpoint `latest` names loads, and holds one of the `allowed` weights
+    def loadable(self, root, allowed) -> str | None:
+        """None if the checkpoint `latest` names loads and holds one of the `allowed` weights, else what is wrong."""
         try:
             tag = ck.latest_tag(root)
             if tag is None:
                 return "no checkpoint: latest names nothing that exists"
-            ck.load_checkpoint(engine, root, tag)
+            ck.load_checkpoint(self.engine, root, tag)
             drafter = DFlashDrafter.from_pretrained(root / tag / "drafter")
         except Exception as e:
             return f"the checkpoint latest names does not load: {type(e).__name__}: {e}"[:300]
-        got = weights()
+        got = self.weights()
         if not any(same(got, w) for w in allowed):
             return f"{tag} holds weights that are neither the previous nor the new ones"
         if not same(got, drafter.state_dict()):
             return f"{tag}/drafter does not hold the checkpoint's weights"
         return None
 
-    results = {}
-    w_a = weights()
-    base = out / "base"
-    ck.save_checkpoint(engine, base, 1, {"global_step": 1}, export=export)
-    w_b = {k: v + 1 for k, v in w_a.items()}
 
-    # fsyncs of a save: every file of the checkpoint, its folder's name in the root, latest and its folder
+def same(a, b) -> bool:
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
+def save_fsyncs(saves: Saves, base: Path, out: Path, w_b) -> list[str]:
+    """What a save does not fsync of what it should: every file of the checkpoint, its folder's name in the root,
+    latest and its folder."""
     fs = out / "fsync"
     shutil.copytree(base, fs)
-    set_weights(w_b)
-    with Steps() as steps:
-        final = ck.save_checkpoint(engine, fs, 2, {"global_step": 2}, export=export)
+    saves.set_weights(w_b)
+    final, steps = saves.save(fs, 2)
     tmp = fs / ".tmp-step-00000002" / "step-00000002"
     files = {str(p).replace(str(final), str(tmp)) for p in final.rglob("*") if p.is_file()}
     missing = sorted(files - set(steps.fsynced))
     root_syncs = [k for k, p in enumerate(steps.fsynced) if p == str(fs)]
     latest_synced = any(p.startswith(str(fs / "latest")) for p in steps.fsynced)
-    results["fsync"] = ([f"not fsynced: {missing}"] if missing else []) + (
-        [] if len(root_syncs) >= 2 else [f"the checkpoint root was fsynced {len(root_syncs)} time(s), not after "
-                                          "both the checkpoint rename and the latest replace"]
-    ) + ([] if latest_synced else ["latest was not fsynced before its rename"])
+    problems = [f"not fsynced: {missing}"] if missing else []
+    if len(root_syncs) < 2:
+        problems.append(
+            f"the checkpoint root was fsynced {len(root_syncs)} time(s), not after both the checkpoint rename and the "
+            "latest replace"
+        )
+    return problems + ([] if latest_synced else ["latest was not fsynced before its rename"])
 
-    # a crash at every step of a save: of a new step, and of a step that has its folder already (latest names it)
-    for scenario, step in (("save-new-step", 2), ("save-same-step", 1)):
-        shutil.copytree(base, out / f"count-{scenario}")  # the same save as below, uninterrupted: its steps
-        set_weights(w_b)
-        with Steps() as count:
-            ck.save_checkpoint(engine, out / f"count-{scenario}", step, {"global_step": step}, export=export)
-        problems = []
-        for k in range(count.count + 1):  # k == count: no crash, the save completes
-            root = out / f"{scenario}-{k}"
-            shutil.copytree(base, root)
-            set_weights(w_b)
-            with Steps(crash_at=k):
-                ck.save_checkpoint(engine, root, step, {"global_step": step}, export=export)
-            why = loadable(root, [w_a, w_b] if k < count.count else [w_b])
-            if why:
-                problems.append(f"crash at step {k} of {count.count}: {why}")
-            shutil.rmtree(root)
-        results[scenario] = {"steps": count.count, "problems": problems}
 
-    # a crash at every step of an export over a previous drafter
+def save_crashes(saves: Saves, base: Path, out: Path, scenario: str, step: int, w_a, w_b) -> dict:
+    """A crash at every step of a save (of a new step, or of a step whose folder latest names already)."""
+    shutil.copytree(base, out / f"count-{scenario}")  # the same save as below, uninterrupted: its steps
+    saves.set_weights(w_b)
+    _, count = saves.save(out / f"count-{scenario}", step)
+    problems = []
+    for k in range(count.count + 1):  # k == count: no crash, the save completes
+        root = out / f"{scenario}-{k}"
+        shutil.copytree(base, root)
+        saves.set_weights(w_b)
+        saves.save(root, step, crash_at=k)
+        why = saves.loadable(root, [w_a, w_b] if k < count.count else [w_b])
+        if why:
+            problems.append(f"crash at step {k} of {count.count}: {why}")
+        shutil.rmtree(root)
+    return {"steps": count.count, "problems": problems}
+
+
+def export_crashes(saves: Saves, out: Path, w_a, w_b) -> dict:
+    """A crash at every step of an export over a previous drafter."""
     drafter_dir = out / "drafter"
-    ck.export_drafter(DFlashDrafter, config, w_a, drafter_dir)
+    saves.export(drafter_dir, w_a)
     shutil.copytree(drafter_dir, out / "count-export")
     with Steps() as count:
-        ck.export_drafter(DFlashDrafter, config, w_b, out / "count-export")
+        saves.export(out / "count-export", w_b)
     problems = []
     for k in range(count.count + 1):
         d = out / f"export-{k}" / "drafter"
         shutil.copytree(drafter_dir, d)
         with Steps(crash_at=k):
-            ck.export_drafter(DFlashDrafter, config, w_b, d)
+            saves.export(d, w_b)
         try:
             got = DFlashDrafter.from_pretrained(d).state_dict()
         except Exception as e:
@@ -279,26 +298,25 @@ CKPT_SCRIPT = textwrap.dedent("""
             continue
         if not (same(got, w_b) or (k < count.count and same(got, w_a))):
             problems.append(f"crash at step {k} of {count.count}: the drafter at {d} is neither the old nor the new")
-    results["export"] = {"steps": count.count, "problems": problems}
-    print("RESULTS " + json.dumps(results))
-""")
+    return {"steps": count.count, "problems": problems}
 
 
 @pytest.fixture(scope="module")
 def crashes(tmp_path_factory):
-    """What `CKPT_SCRIPT` found: per scenario the steps it has and the problems a crash at each one left."""
-    tmp = tmp_path_factory.mktemp("ckpt-crash")
-    script = tmp / "crash.py"
-    script.write_text(CKPT_SCRIPT)
-    full_env = {**env(), "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        full_env.pop(k, None)
-    proc = subprocess.run(
-        [sys.executable, str(script), str(tmp)], cwd=REPO, env=full_env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULTS "))
-    return json.loads(line[len("RESULTS ") :])
+    """Per scenario the steps a save or an export has and the problems a crash at each one left (in this process:
+    a crash is a raise at the filesystem call, the process needs not end)."""
+    out = tmp_path_factory.mktemp("ckpt-crash")
+    with as_a_process():
+        saves = Saves()
+        w_a = saves.weights()
+        base = out / "base"
+        saves.save(base, 1)
+        w_b = {k: v + 1 for k, v in w_a.items()}
+        results = {"fsync": save_fsyncs(saves, base, out, w_b)}
+        for scenario, step in (("save-new-step", 2), ("save-same-step", 1)):
+            results[scenario] = save_crashes(saves, base, out, scenario, step, w_a, w_b)
+        results["export"] = export_crashes(saves, out, w_a, w_b)
+    return results
 
 
 def test_a_checkpoint_save_fsyncs_its_files_its_folder_and_latest(crashes):
@@ -328,11 +346,9 @@ def test_a_latest_that_names_no_checkpoint_is_refused(tmp_path, tag):
 # --- 4. a listed shard missing on disk: named with its repair, which recaptures exactly its prompts ---------------
 
 
-def test_a_listed_shard_missing_on_disk_is_repaired_and_exactly_its_prompts_recaptured(tmp_path, target):
-    store, limit = tmp_path / "store", 6
-    capture = pipeline_cmd(target, store, limit, tmp_path / "run")
-    first = run(capture)
-    assert first.returncode == 0, first.stderr[-3000:]
+def test_a_listed_shard_missing_on_disk_is_repaired_and_exactly_its_prompts_recaptured(captured_copy):
+    _, store, capture = captured_copy  # 6 prompts, 2 a shard
+    limit = 6
     names = [e["name"] for e in read_manifest(store)["shards"]]
     assert len(names) == 3
     lost = shard_seq_ids(shard_dir(store, names[1]))
@@ -344,10 +360,10 @@ def test_a_listed_shard_missing_on_disk_is_repaired_and_exactly_its_prompts_reca
         f"shard {names[1]} is listed in {store / MANIFEST} but {shard_dir(store, names[1])} is missing" in rerun.stderr
     )
     assert f"python -m pipeline repair {store}" in rerun.stderr
-    checked = run([sys.executable, "-m", "pipeline", "verify", str(store)])
+    checked = command_here("verify", store)
     assert checked.returncode == 1 and "python -m pipeline repair" in checked.stderr
 
-    repaired = run([sys.executable, "-m", "pipeline", "repair", str(store)])
+    repaired = command_here("repair", store)
     assert repaired.returncode == 0, repaired.stderr
     assert f"dropped {names[1]} ({len(lost)} sequences" in repaired.stdout
     assert [e["name"] for e in read_manifest(store)["shards"]] == [names[0], names[2]]
@@ -360,7 +376,7 @@ def test_a_listed_shard_missing_on_disk_is_repaired_and_exactly_its_prompts_reca
     assert shard_seq_ids(shard_dir(store, new[2])) == lost  # exactly the lost shard's prompts, captured again
     assert stored_once(store) == prompt_ids(limit)
     assert "1 shard entry dropped" in repaired.stdout
-    nothing = run([sys.executable, "-m", "pipeline", "repair", str(store)])
+    nothing = command_here("repair", store)
     assert nothing.returncode == 0 and "nothing to repair" in nothing.stdout
 
 

@@ -9,21 +9,13 @@ import pytest
 
 from flashdraft.store import read_manifest, verify_store
 from flashdraft.store.files import array_file, shard_dir, shard_seq_ids
-from tests.test_faults_writer import pipeline_cmd, prompt_ids, run, stored_once
-from tests.test_pipeline import build_tiny_target
+from tests.test_faults_writer import command_here, prompt_ids, run, stored_once
 from trainer.store_verify import CorruptStore, verify_stores
 
 
-@pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    return build_tiny_target(tmp_path_factory.mktemp("tiny-target"))
-
-
-def test_shards_damaged_inside_their_arrays_are_dropped_and_exactly_their_prompts_recaptured(tmp_path, target):
-    store, limit = tmp_path / "store", 6
-    capture = pipeline_cmd(target, store, limit, tmp_path / "run")
-    first = run(capture)
-    assert first.returncode == 0, first.stderr[-3000:]
+def test_shards_damaged_inside_their_arrays_are_dropped_and_exactly_their_prompts_recaptured(captured_copy):
+    _, store, capture = captured_copy  # 6 prompts, 2 a shard
+    limit = 6
     names = [e["name"] for e in read_manifest(store)["shards"]]
     assert len(names) == 3
     garbled, truncated = names[0], names[2]
@@ -32,7 +24,7 @@ def test_shards_damaged_inside_their_arrays_are_dropped_and_exactly_their_prompt
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
     lost = shard_seq_ids(shard_dir(store, garbled)) | shard_seq_ids(shard_dir(store, truncated))
 
-    checked = run([sys.executable, "-m", "pipeline", "verify", str(store)])
+    checked = command_here("verify", store)  # a process exits 1 for verify in test_faults_store
     assert checked.returncode == 1 and garbled in checked.stderr and truncated in checked.stderr
     with pytest.raises(CorruptStore) as refused:  # the trainer's check names the command that repairs
         verify_stores([store], "full", fraction=1.0)
@@ -57,5 +49,5 @@ def test_shards_damaged_inside_their_arrays_are_dropped_and_exactly_their_prompt
     assert stored_once(store) == prompt_ids(limit)
     verified = run([sys.executable, "-m", "pipeline", "verify", str(store)])
     assert verified.returncode == 0, verified.stderr
-    nothing = run([sys.executable, "-m", "pipeline", "repair", str(store)])
+    nothing = command_here("repair", store)
     assert nothing.returncode == 0 and "nothing to repair" in nothing.stdout

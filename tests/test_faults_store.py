@@ -19,7 +19,7 @@ import torch
 from flashdraft.store import StoreError, StoreLayout, StoreReader, StoreWriter, read_manifest, shard_name
 from flashdraft.store.files import array_file, read_shard_attrs, shard_dir
 from flashdraft.store.format import decode_index, index_nbytes
-from tests.test_trainer_fixtures import metrics, run_training, tiny_store, tiny_target, train_kwargs
+from tests.test_trainer_fixtures import metrics, run_training, tiny_store, tiny_target, train_here, train_kwargs
 from trainer.store_verify import CorruptStore, verify_stores
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,7 +96,9 @@ def pipeline_verify(store: Path) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("fault", ["flip", "truncate"])
 def test_pipeline_verify_exits_1_naming_shard_array_and_rows_of_every_array_kind(sound, tmp_path, fault):
-    assert pipeline_verify(sound).returncode == 0
+    from pipeline.__main__ import verify_command
+
+    assert verify_command([str(sound)]) == 0  # the command in this process; a process says exit 0 in test_faults_repair
     store = damaged(sound, tmp_path, fault, KEYS)  # every array of shard-00000 damaged at once: one run lists all
     out = pipeline_verify(store)
     assert out.returncode == 1, out.stdout + out.stderr
@@ -163,7 +165,7 @@ def test_the_harness_refuses_a_store_with_a_corrupt_input_ids_chunk(sound, tmp_p
         Datastore.from_store(store, ngram=2, min_count=1)
 
 
-# --- the trainer, in fresh processes as a user starts it ----------------------------------------------------------
+# --- the trainer: in this process, in two (torchrun) and killed in one ---------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -175,9 +177,14 @@ def trainer_setup(tmp_path_factory):
 
 
 def refused(tmp: Path, kwargs: dict, nproc: int = 1) -> str:
-    with pytest.raises(AssertionError) as failed:
-        run_training(tmp, kwargs, nproc=nproc)
-    out = str(failed.value)
+    if nproc == 1:
+        done = train_here(kwargs, check=False)
+        assert done.returncode != 0
+        out = done.stdout + done.stderr
+    else:
+        with pytest.raises(AssertionError) as failed:
+            run_training(tmp, kwargs, nproc=nproc)
+        out = str(failed.value)
     assert not (tmp / "run" / "metrics.jsonl").exists() or not metrics(tmp / "run"), "a step was trained"
     return out
 
@@ -198,12 +205,12 @@ def test_sigkill_during_a_checkpoint_save_then_resume_repeats_the_uninterrupted_
     _, target, store = trainer_setup
     common = dict(epochs=2, checkpoint_every=1, eval_every=0, zero_stage=1, verify_store="off")
     ref = tmp_path / "ref"
-    run_training(ref, train_kwargs(ref, store, target, **common))
+    train_here(train_kwargs(ref, store, target, **common))
     full = metrics(ref / "run")
 
     crash = tmp_path / "crash"
     kw = train_kwargs(crash, store, target, **common)
-    proc = run_training(crash, kw, wait=False)
+    proc = run_training(crash, kw, wait=False)  # a process: it is killed
     ckpts = crash / "run" / "checkpoints"
     deadline, saving = time.time() + 180, None
     while time.time() < deadline and proc.poll() is None and saving is None:  # the first save after step 2's
@@ -213,7 +220,7 @@ def test_sigkill_during_a_checkpoint_save_then_resume_repeats_the_uninterrupted_
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, "the run ended before a save could be caught"
     assert saving.exists() and not (ckpts / saving.name.removeprefix(".tmp-")).exists()  # killed mid-save
-    out = run_training(crash, kw)
+    out = train_here(kw)
     assert "resumed from" in out.stdout
     resumed = metrics(crash / "run")
     assert [m["step"] for m in resumed] == [m["step"] for m in full]

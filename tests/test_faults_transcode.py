@@ -2,7 +2,8 @@
 part): a transcode SIGKILLed once its first shard is listed (`pipeline verify` and the trainer refuse the partial
 copy by name, the same command finishes it into the copy an uninterrupted run writes), two transcodes into one
 store, a copy begun from another source or with other options, a bad chunk in the source, a full disk while the
-basis is saved (transcode and capture), and options that are not what they should be. Real processes, a real
+basis is saved (transcode and capture), and options that are not what they should be. Real processes where the
+test is about one (killed, held, or the command's exit), the commands' functions in this process elsewhere; a real
 tmpfs."""
 
 import json
@@ -28,7 +29,7 @@ from flashdraft.store.space import DiskFullError
 from flashdraft.store.transcode import transcode
 from flashdraft.target import target_fingerprint
 from pipeline.__main__ import transcode_command, verify_command
-from tests.test_faults_writer import fill, tmpfs  # noqa: F401 - tmpfs: the 2 MiB tmpfs fixture
+from tests.test_faults_writer import command_here, fill, tmpfs  # noqa: F401 - tmpfs: the 2 MiB tmpfs fixture
 from tests.test_trainer_fixtures import STORE_LAYERS, VOCAB, H, configs, tiny_target, train_kwargs
 from trainer.train import train
 
@@ -153,7 +154,7 @@ def test_a_transcode_killed_after_its_first_shard_is_a_partial_store_verify_name
     m = read_manifest(killed)["transcoded_from"]
     assert m["complete"] is False and m["counts"]["sequences"] == SEQUENCES and m["shards"] == 3
     # the source, a capture's store, verifies as before
-    assert pipeline("verify", source).returncode == 0
+    assert verify_command([str(source)]) == 0
 
 
 def test_the_trainer_refuses_a_partial_transcode_by_name(killed, source, target, tmp_path, monkeypatch):
@@ -170,7 +171,7 @@ def test_the_same_transcode_run_again_finishes_the_killed_one_as_an_uninterrupte
     killed, source, tmp_path
 ):
     dst = partial_copy(killed, tmp_path)
-    out = pipeline("transcode", source, dst, *PROJECTED)
+    out = command_here("transcode", source, dst, *PROJECTED)  # the killed process's lock: taken over from here
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"{dst}: took over the lock {dst / 'writer.lock'} of an earlier transcode (host " in out.stderr
     assert f"{dst}: removed what a stopped transcode left: .tmp-shard-00001-" in out.stderr
@@ -185,7 +186,7 @@ def test_the_same_transcode_run_again_finishes_the_killed_one_as_an_uninterrupte
     assert read_manifest(dst)["counts"] == read_manifest(whole)["counts"] == read_manifest(source)["counts"]
     # run once more, the copy complete: nothing to write, nothing changed
     before = tree(dst / SHARDS)
-    out = pipeline("transcode", source, dst, *PROJECTED)
+    out = command_here("transcode", source, dst, *PROJECTED)
     assert out.returncode == 0 and tree(dst / SHARDS) == before, out.stderr[-3000:]
 
 
@@ -208,7 +209,7 @@ def test_a_second_transcode_into_the_same_store_is_refused_naming_the_first(sour
     try:
         wait_stopped(first)  # held while it writes its first shard, whatever the machine's speed
         before = tree(dst)
-        second = pipeline("transcode", source, dst, *PROJECTED)
+        second = command_here("transcode", source, dst, *PROJECTED)  # in this process: another than the first
         assert tree(dst) == before, "the refused transcode changed the store"
     finally:
         os.kill(first.pid, signal.SIGCONT)
@@ -337,6 +338,6 @@ def test_transcode_options_are_checked_naming_the_key(source, tmp_path, capsys, 
 def test_a_manifest_a_stopped_transcode_left_half_written_is_no_obstacle(killed, source, tmp_path):
     dst = partial_copy(killed, tmp_path)
     (dst / f"{MANIFEST}.1234abcd.tmp").write_text("{")  # a kill while the manifest was replaced
-    out = pipeline("transcode", source, dst, *PROJECTED)
+    out = command_here("transcode", source, dst, *PROJECTED)
     assert out.returncode == 0 and f"{MANIFEST}.1234abcd.tmp" in out.stderr, out.stderr[-3000:]
     assert not list(dst.glob("*.tmp")) and verify_store(dst, progress=False)[0] == []

@@ -1,6 +1,7 @@
 """Faults of a store's writer, met as a user meets them: two captures into one store, the lock of a killed capture,
 a shard folder that is not the task's, a commit that fails, a disk that fills. Real processes, a real tmpfs."""
 
+import io
 import json
 import os
 import shutil
@@ -9,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
@@ -65,6 +67,19 @@ def start(cmd) -> subprocess.Popen:
 
 def run(cmd, timeout=300) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+
+
+def command_here(*args) -> subprocess.CompletedProcess:
+    """`python -m pipeline verify|repair|transcode ARGS` in this process: the command's function, whose return the
+    entry's main exits with. For a test of what the command does and says, not of its process (a fresh one spends
+    seconds on imports); a process runs each of them elsewhere (test_faults_store, test_faults_repair)."""
+    from pipeline.__main__ import repair_command, transcode_command, verify_command
+
+    command = {"verify": verify_command, "repair": repair_command, "transcode": transcode_command}[args[0]]
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = command([str(a) for a in args[1:]])
+    return subprocess.CompletedProcess(["pipeline", *map(str, args)], code, out.getvalue(), err.getvalue())
 
 
 def wait_for_lock(store: Path, pid: int, proc: subprocess.Popen, timeout=180) -> dict:

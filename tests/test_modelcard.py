@@ -20,7 +20,7 @@ from flashdraft.modelcard import (
 from flashdraft.target.load import EMBEDDED_HUB_ID
 from tests.test_speculative import tiny_drafter
 from tests.test_speculative import tiny_target as tiny_target_model
-from tests.test_trainer_fixtures import metrics, run_training, tiny_store, tiny_target, train_kwargs
+from tests.test_trainer_fixtures import metrics, tiny_store, tiny_target, train_here, train_kwargs
 
 
 def mode(path) -> int:
@@ -34,7 +34,7 @@ def trained(tmp_path_factory):
     target = tiny_target(tmp / "target")
     store = tiny_store(tmp / "features", target)
     kw = train_kwargs(tmp, store.path, target, epochs=1, max_steps=3, checkpoint_every=0, eval_every=2)
-    run_training(tmp, kw)
+    train_here(kw)
     return tmp, target, store
 
 

@@ -22,7 +22,7 @@ from flashdraft.store.projection import (
     split_store_options,
 )
 from flashdraft.store.transcode import transcode
-from tests.test_trainer_fixtures import STORE_LAYERS, H, configs, run_training, tiny_store, tiny_target, train_kwargs
+from tests.test_trainer_fixtures import STORE_LAYERS, H, configs, tiny_store, tiny_target, train_here, train_kwargs
 from trainer.checkpoint import export_drafter
 from trainer.drafter import init_from_drafter, projected_config
 from trainer.store_check import StoreMismatch
@@ -274,7 +274,7 @@ def trained(tmp_path_factory):
     raw = tiny_store(tmp / "raw", target, n=24)
     transcode(raw.path, tmp / "proj", dtype="float8_e4m3", project="pca", project_dims="2H", progress=False)
     kw = train_kwargs(tmp / "run", str(tmp / "proj"), target, max_steps=3, epochs=1, init="target", eval_every=0)
-    run_training(tmp / "run", kw, drafter={"num_layers": 2, "block_size": 4})
+    train_here(kw, drafter={"num_layers": 2, "block_size": 4})
     return tmp, target, raw
 
 

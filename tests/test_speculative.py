@@ -2,6 +2,7 @@
 (acceptance, EOS, max_new_tokens, shrinking last block) is exact, and the loop matches the reference
 `dflash.model.dflash_generate` on the same drafter. Tiny Llama and Qwen3 targets built in code."""
 
+import copy
 import time
 
 import pytest
@@ -183,11 +184,19 @@ def test_greedy_lossless_with_drafter(setup, block_size):
         assert max(accepted) == block_size if block_size == 2 else max(accepted) > 2
 
 
+@pytest.fixture(scope="module")
+def chained(setup):
+    """The drafter's chain rounds without a cutoff on every prompt (the whole block verified), for the cutoffs."""
+    target, drafter, prompts, _ = setup
+    proposer = DrafterProposer(drafter, frozen_head_from_model(target))
+    return [speculative_generate(target, p, ChainPolicy(proposer), max_new_tokens=32) for p in prompts]
+
+
 @pytest.mark.parametrize("cutoff", [1e-4, 0.05])  # the tiny drafter is unsure: 0.05 verifies no draft
-def test_draft_cutoff_verifies_a_confident_prefix_and_stays_lossless(setup, cutoff):
+def test_draft_cutoff_verifies_a_confident_prefix_and_stays_lossless(setup, chained, cutoff):
     target, drafter, prompts, plain = setup
     proposer = DrafterProposer(drafter, frozen_head_from_model(target))
-    full = [speculative_generate(target, p, ChainPolicy(proposer), max_new_tokens=32) for p in prompts]
+    full = chained
     cut = [speculative_generate(target, p, ChainPolicy(proposer, cutoff=cutoff), max_new_tokens=32) for p in prompts]
     assert [g.tokens for g in cut] == plain
     verified = [v for g in cut for v in g.verified_drafts]
@@ -616,11 +625,13 @@ def test_cpu_is_lossless_with_exact_verification(arch, dtype, fp32_attention):
         for t in range(1, 45)
     ]
     assert torch.equal(prefill, torch.stack(steps))
-    # a tree verify: each row gives the logits of one-token forwards along its own path
+    # a tree verify: each row gives the logits of one-token forwards along its own path (one forward a node: each
+    # row's path steps on from a copy of its parent's cache, the cache the prefill and the steps to the parent left)
     g = torch.Generator().manual_seed(4)
     for start in range(70, 184, 19):
         tree = build_tree(torch.randn(7, VOCAB, generator=g) * 3, size=15, branching=3)
         out = target(ids[:, :start], use_cache=True)
+        prefilled = copy.deepcopy(out.past_key_values)
         rows = target(
             torch.cat([ids[:, start : start + 1], tree.tokens[None]], dim=1),
             past_key_values=out.past_key_values,
@@ -628,14 +639,12 @@ def test_cpu_is_lossless_with_exact_verification(arch, dtype, fp32_attention):
             attention_mask=tree_mask(tree, start),
             use_cache=True,
         ).logits[0]
-        for row in range(tree.size + 1):
-            path, r = [], row
-            while r:
-                path.insert(0, int(tree.tokens[r - 1]))
-                r = tree.parents[r - 1]
-            out = target(ids[:, :start], use_cache=True)
-            for t in [int(ids[0, start]), *path]:
-                step = target(torch.tensor([[t]]), past_key_values=out.past_key_values, use_cache=True)
+        caches = {}  # row -> the cache after its one-token step (row 0: the last committed token's)
+        for row in range(tree.size + 1):  # parents come before their children
+            cache = caches[tree.parents[row - 1]] if row else prefilled
+            token = int(tree.tokens[row - 1]) if row else int(ids[0, start])
+            caches[row] = copy.deepcopy(cache)
+            step = target(torch.tensor([[token]]), past_key_values=caches[row], use_cache=True)
             assert torch.equal(rows[row], step.logits[0, -1]), (start, row)
     drafter = tiny_drafter(tiny_target(arch), block_size=8).to(dtype)
     proposer = DrafterProposer(drafter, frozen_head_from_model(target))
@@ -659,10 +668,10 @@ def test_prompt_lookup_equals_plain_on_smollm2_in_bf16():
     stop = stop_token_ids(target, tokenizer)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # as the harness runs on two cores (one thread takes other GEMM kernels)
-    try:
-        plain = speculative_generate(target, prompt.input_ids, max_new_tokens=64, stop_token_ids=stop).tokens
+    try:  # 16 tokens hold token 11 (64 took minutes on a loaded 2-core machine)
+        plain = speculative_generate(target, prompt.input_ids, max_new_tokens=16, stop_token_ids=stop).tokens
         lookup = prompt_lookup_generate(
-            target, prompt.input_ids, max_new_tokens=64, stop_token_ids=stop, num_lookup_tokens=10
+            target, prompt.input_ids, max_new_tokens=16, stop_token_ids=stop, num_lookup_tokens=10
         )
     finally:
         torch.set_num_threads(threads)

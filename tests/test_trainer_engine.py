@@ -11,7 +11,15 @@ import torch
 from safetensors.torch import load_file
 
 from flashdraft.model import DFlashDrafter
-from tests.test_trainer_fixtures import configs, metrics, run_training, tiny_store, tiny_target, train_kwargs
+from tests.test_trainer_fixtures import (
+    configs,
+    metrics,
+    run_training,
+    tiny_store,
+    tiny_target,
+    train_here,
+    train_kwargs,
+)
 from trainer.store_check import StoreMismatch
 from trainer.train import train
 
@@ -31,7 +39,7 @@ def weights(folder):
 def test_two_ranks_reach_the_parameters_of_one_rank_with_the_same_global_batch(setup, tmp_path):
     _, target, store = setup
     common = dict(epochs=1, max_steps=3, checkpoint_every=0, eval_every=0, zero_stage=2)
-    run_training(tmp_path / "one", train_kwargs(tmp_path / "one", store.path, target, grad_accum=2, **common))
+    train_here(train_kwargs(tmp_path / "one", store.path, target, grad_accum=2, **common))
     run_training(tmp_path / "two", train_kwargs(tmp_path / "two", store.path, target, grad_accum=1, **common), nproc=2)
     one, two = metrics(tmp_path / "one" / "run"), metrics(tmp_path / "two" / "run")
     assert [m["step"] for m in one] == [m["step"] for m in two] == [1, 2, 3]
@@ -46,12 +54,12 @@ def test_kill_during_training_then_resume_repeats_the_uninterrupted_run(setup, t
     _, target, store = setup
     common = dict(epochs=3, checkpoint_every=3, eval_every=0, zero_stage=1)
     ref = tmp_path / "ref"
-    run_training(ref, train_kwargs(ref, store.path, target, **common))
+    train_here(train_kwargs(ref, store.path, target, **common))
     full = metrics(ref / "run")
 
     crash = tmp_path / "crash"
     kw = train_kwargs(crash, store.path, target, **common)
-    proc = run_training(crash, kw, wait=False)
+    proc = run_training(crash, kw, wait=False)  # a process: it is killed
     log = crash / "run" / "metrics.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
@@ -65,7 +73,7 @@ def test_kill_during_training_then_resume_repeats_the_uninterrupted_run(setup, t
     assert killed_at < len(full)
     assert (crash / "run" / "checkpoints" / "latest").is_file()
 
-    out = run_training(crash, kw)
+    out = train_here(kw)
     assert "resumed from" in out.stdout
     resumed = metrics(crash / "run")
     assert [m["step"] for m in resumed] == [m["step"] for m in full]
@@ -97,14 +105,14 @@ def test_nan_loss_stops_with_a_clear_message(setup, tmp_path):
 
     arr = zarr.open_array(str(tmp_path / "bad" / "shards" / "shard-00000" / "features"), mode="r+")
     arr[:] = np.full(arr.shape, np.inf, dtype=np.float32)
-    proc = run_training(tmp_path, train_kwargs(tmp_path, bad.path, target, checkpoint_every=0), wait=False)
-    out, _ = proc.communicate(timeout=120)  # the check before step 1 finds it (every sample reads some features)
+    proc = train_here(train_kwargs(tmp_path, bad.path, target, checkpoint_every=0), check=False)
+    out = proc.stdout + proc.stderr  # the check before step 1 finds it (every sample reads some features)
     assert (
         proc.returncode != 0 and "CorruptStore" in out and re.search(r"array features rows \d+..\d+ hold NaN/Inf", out)
     )
     kwargs = train_kwargs(tmp_path, bad.path, target, checkpoint_every=0, verify_store="off")
-    proc = run_training(tmp_path, kwargs, wait=False)  # unchecked, the loss itself stops the run
-    out, _ = proc.communicate(timeout=120)
+    proc = train_here(kwargs, check=False)  # unchecked, the loss itself stops the run
+    out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "TrainingDiverged" in out and "loss is nan" in out and "no checkpoint yet" in out
     assert not (tmp_path / "run" / "checkpoints" / "latest").exists()
@@ -143,7 +151,7 @@ def test_target_init_and_eval_on_separate_held_out_stores(setup, tmp_path):
         eval_every=4,
         checkpoint_every=0,
     )
-    out = run_training(tmp_path, kw)
+    out = train_here(kw)
     evals = metrics(tmp_path / "run", "eval/loss")
     assert len(evals) == 1 and evals[0]["eval/tau"] >= 1.0
     assert "no eval/* metrics" not in out.stdout
@@ -154,7 +162,7 @@ def test_eval_every_with_nothing_held_out_is_said_once(setup, tmp_path):
     """No held-out sequence: eval_every cannot log eval/* rows, and the run says so at the start, once."""
     _, target, store = setup
     kw = train_kwargs(tmp_path, store.path, target, heldout_fraction=0.0, epochs=1, max_steps=3, eval_every=1)
-    out = run_training(tmp_path, {**kw, "checkpoint_every": 0})
+    out = train_here({**kw, "checkpoint_every": 0})
     note = (
         "no eval/* metrics: nothing is held out (train.heldout_fraction=0 and no train.eval_stores); "
         "train.eval_every=1 (eval every 1 steps) does nothing"
@@ -168,9 +176,9 @@ def test_init_from_an_exported_drafter_starts_from_its_weights(setup, tmp_path):
     a drafter of another shape is refused by name."""
     _, target, store = setup
     common = dict(epochs=1, max_steps=2, checkpoint_every=0, eval_every=0)
-    run_training(tmp_path / "a", train_kwargs(tmp_path / "a", store.path, target, **common))
+    train_here(train_kwargs(tmp_path / "a", store.path, target, **common))
     start = tmp_path / "a" / "drafter"
-    run_training(tmp_path / "b", train_kwargs(tmp_path / "b", store.path, target, init=str(start), lr=0.0, **common))
+    train_here(train_kwargs(tmp_path / "b", store.path, target, init=str(start), lr=0.0, **common))
     before, after = weights(start), weights(tmp_path / "b" / "drafter")
     assert before.keys() == after.keys()
     for k in before:
@@ -202,13 +210,13 @@ def test_soft_labels_train_and_a_one_hot_teacher_gives_the_hard_label_run(setup,
     runs = {}
     for name, soft in (("hard", 0.0), ("one", 1.0), ("three", 0.5)):
         st = stores[name]
-        run_training(tmp_path / name, train_kwargs(tmp_path / name, st, target, soft_labels=soft, **common))
+        train_here(train_kwargs(tmp_path / name, st, target, soft_labels=soft, **common))
         runs[name] = [m["loss"] for m in metrics(tmp_path / name / "run")]
     assert len(runs["hard"]) == 3
     np.testing.assert_allclose(runs["one"], runs["hard"], rtol=1e-6)
     assert np.abs(np.subtract(runs["three"], runs["hard"])).max() > 1e-4, runs  # near log(V) at the start either way
-    with pytest.raises(ValueError, match="hold none"):
-        train(*configs(train_kwargs(tmp_path / "bad", store.path, target, soft_labels=0.5, **common)))
+    refused = train_here(train_kwargs(tmp_path / "bad", store.path, target, soft_labels=0.5, **common), check=False)
+    assert re.search(r"^ValueError: .*hold none", refused.stderr, re.M), refused.stderr[-3000:]
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -219,13 +227,13 @@ def test_an_auto_dtype_resume_rebuilds_the_engine_in_the_checkpoints_dtype(setup
 
     _, target, store = setup
     common = dict(epochs=2, max_steps=6, checkpoint_every=3, keep_checkpoints=3, eval_every=0)
-    run_training(tmp_path, train_kwargs(tmp_path, store.path, target, **{**common, "dtype": dtype}))
+    train_here(train_kwargs(tmp_path, store.path, target, **{**common, "dtype": dtype}))
     full = metrics(tmp_path / "run")
     saved = json.loads((tmp_path / "run" / "checkpoints" / "step-00000003" / "client_state.json").read_text())
     assert saved["dtype"] == dtype and saved["global_step"] == 3
 
     (tmp_path / "run" / "checkpoints" / "latest").write_text("step-00000003")
-    out = run_training(tmp_path, train_kwargs(tmp_path, store.path, target, **{**common, "dtype": "auto"}))
+    out = train_here(train_kwargs(tmp_path, store.path, target, **{**common, "dtype": "auto"}))
     assert "resumed from" in out.stdout and "train.dtype=auto" not in out.stdout  # nothing timed on a resume
     resumed = metrics(tmp_path / "run")
     assert [m["step"] for m in resumed] == list(range(1, 7))

@@ -3,10 +3,14 @@ stores."""
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import subprocess
 import sys
 import textwrap
+import traceback
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import numpy as np
@@ -132,8 +136,6 @@ RUNNER = textwrap.dedent("""
 def run_training(tmp: Path, kwargs: dict, nproc: int = 1, timeout: int = 240, env=None, wait=True, drafter=None):
     """Train in fresh processes (plain python for 1, torchrun for several) on TrainConfig(**kwargs) and
     DrafterConfig(**drafter) (default `DRAFTER`)."""
-    import os
-
     tmp.mkdir(parents=True, exist_ok=True)
     cfg = tmp / "train.json"
     cfg.write_text(json.dumps({"train": kwargs, "drafter": drafter or DRAFTER}))
@@ -161,6 +163,40 @@ def run_training(tmp: Path, kwargs: dict, nproc: int = 1, timeout: int = 240, en
     proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
+
+
+@contextmanager
+def as_a_process():
+    """Inside: what a trainer does to its process's environment and threads stays inside (the environment put back
+    after, one thread as OMP_NUM_THREADS=1 gives a trainer's process). The process group a run starts (one rank,
+    gloo) stays for the next run in this process; nothing outside the trainer reads it."""
+    threads, environ = torch.get_num_threads(), dict(os.environ)
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        for key in set(os.environ) - set(environ):  # what the run set (RANK, WORLD_SIZE, MASTER_ADDR, ...)
+            del os.environ[key]
+        os.environ.update(environ)
+
+
+def train_here(kwargs: dict, drafter=None, check: bool = True) -> subprocess.CompletedProcess:
+    """`run_training`'s run in this process, for tests that are not about the process (a fresh one spends seconds on
+    its imports), with stdout and stderr captured. A raise ends it as an uncaught one ends a process: returncode 1,
+    the traceback in stderr (`check`: fail the test)."""
+    from trainer.train import train
+
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with as_a_process(), redirect_stdout(out), redirect_stderr(err):
+        try:
+            train(*configs(kwargs, drafter))
+        except Exception:
+            traceback.print_exc()
+            code = 1
+    done = subprocess.CompletedProcess(["train"], code, out.getvalue(), err.getvalue())
+    assert not check or code == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return done
 
 
 def metrics(run_dir: Path, kind: str = "loss") -> list[dict]:
