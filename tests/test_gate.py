@@ -233,3 +233,33 @@ def test_the_gate_sits_above_the_stages_and_no_stage_imports_another():
     ]
     assert not crossing, crossing
     assert stages <= set().union(*imported_packages("gate").values())
+
+
+def test_no_two_modules_import_each_other():
+    """No circle of imports among the project's modules (lazy imports in functions included): a name imported from
+    a package counts as its submodule where it is one, else as the package."""
+    import ast
+    import graphlib
+
+    root = Path(__file__).resolve().parents[1]
+    files = {
+        ".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
+        for folder in ("flashdraft", "pipeline", "trainer", "harness", "gate", "entry")
+        for p in (root / folder).rglob("*.py")
+    }
+
+    def module_of(name: str) -> str | None:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for module, path in files.items():
+        named = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                named |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                named |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        graph[module] = {m for m in map(module_of, named) if m and m != module}
+    graphlib.TopologicalSorter(graph).prepare()  # CycleError names the circle
